@@ -1,0 +1,208 @@
+"""Configuration of the Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+The defaults are the paper's *base* model (Table 3, first row); `VaswaniConfig.big()` gives the *big* model
+(Table 3, last row). Options for the variants the paper studies (Table 3 rows A-E) and for widely used departures
+from it (pre-LN) are fields of their own; the paper's choice is always the default.
+
+This file imports only transformers and the standard library: it is copied to the Hub beside the model code and
+must stand alone there.
+"""
+
+from transformers import PretrainedConfig
+
+_ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
+_POSITIONS = ("sinusoidal", "learned")
+
+
+class VaswaniConfig(PretrainedConfig):
+    r"""
+    Configuration of [`VaswaniModel`] and [`VaswaniForConditionalGeneration`].
+
+    Args:
+        vocab_size (`int`, defaults to 37000):
+            Size of the (joint, shared) source vocabulary; also the target vocabulary unless `target_vocab_size` is
+            set. 37000 is the paper's shared BPE vocabulary for WMT 2014 English-German (§5.1).
+        target_vocab_size (`int`, *optional*):
+            Size of a separate target vocabulary. `None` (default) means the target side uses `vocab_size`.
+            A different size requires `share_encoder_decoder_embeddings=False`.
+        d_model (`int`, defaults to 512): Width of every sublayer output and embedding, `d_model` (§3.1).
+        encoder_layers (`int`, defaults to 6): Number of encoder layers, `N` (§3.1).
+        decoder_layers (`int`, defaults to 6): Number of decoder layers, `N` (§3.1).
+        num_heads (`int`, defaults to 8): Attention heads `h` (§3.2.2); `d_k = d_v = d_model / h`.
+        d_ff (`int`, defaults to 2048): Inner width of the position-wise feed-forward network (§3.3, Eq. 2).
+        dropout (`float`, defaults to 0.1):
+            `P_drop`, applied to each sublayer output before the residual add and to the sums of embeddings and
+            positional encodings (§5.4).
+        attention_dropout (`float`, defaults to 0.0): Dropout on attention probabilities (not in the paper).
+        activation_dropout (`float`, defaults to 0.0): Dropout after the FFN activation (not in the paper).
+        activation_function (`str`, defaults to `"relu"`): FFN non-linearity; the paper uses ReLU (Eq. 2).
+        normalize_before (`bool`, defaults to `False`):
+            `False` is the paper's post-LN, `LayerNorm(x + Sublayer(x))` (§3.1). `True` gives pre-LN,
+            `x + Sublayer(LayerNorm(x))`, with a final LayerNorm after each stack.
+        position_embedding_type (`str`, defaults to `"sinusoidal"`):
+            `"sinusoidal"`: the fixed encodings of §3.5; they extend to any length. `"learned"`: learned
+            positional embeddings (Table 3, row E), limited to `max_position_embeddings` positions.
+        max_position_embeddings (`int`, defaults to 1024):
+            Positions precomputed (sinusoidal) or learned. Sinusoidal inputs longer than this still work.
+        share_encoder_decoder_embeddings (`bool`, defaults to `True`):
+            One embedding matrix for encoder and decoder input (§3.4; needs one vocabulary).
+        tie_word_embeddings (`bool`, defaults to `True`):
+            The pre-softmax projection (`lm_head`) shares the decoder's embedding matrix (§3.4). With both sharing
+            flags on (the default), one matrix serves all three uses.
+        scale_embedding (`bool`, defaults to `True`): Multiply embeddings by `sqrt(d_model)` (§3.4).
+        label_smoothing (`float`, defaults to 0.1):
+            `epsilon_ls` of the loss computed when `labels` are given (§5.4). Set 0.0 for plain cross-entropy.
+        layer_norm_eps (`float`, defaults to 1e-5): Epsilon of every LayerNorm.
+        pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id (`int`, defaults to 0, 1, 2, 1):
+            Special token ids, matching the joint BPE tokenizer of this package (`<pad>`, `<s>`, `</s>`); the decoder
+            input starts with `<s>`.
+
+    Raises:
+        ValueError: on impossible sizes (non-positive, `d_model` not divisible by `num_heads`), dropout outside
+            `[0, 1)`, an unknown activation or position type, or embedding sharing across different vocabularies.
+
+    Example:
+
+    ```python
+    >>> from vaswani_hf import VaswaniConfig
+    >>> VaswaniConfig.big().d_model
+    1024
+    ```
+    """
+
+    model_type = "vaswani"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_attention_heads": "num_heads",
+        "encoder_attention_heads": "num_heads",
+        "decoder_attention_heads": "num_heads",
+        "num_hidden_layers": "encoder_layers",
+        "intermediate_size": "d_ff",
+    }
+
+    def __init__(
+        self,
+        vocab_size: int = 37000,
+        target_vocab_size: int | None = None,
+        d_model: int = 512,
+        encoder_layers: int = 6,
+        decoder_layers: int = 6,
+        num_heads: int = 8,
+        d_ff: int = 2048,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation_function: str = "relu",
+        normalize_before: bool = False,
+        position_embedding_type: str = "sinusoidal",
+        max_position_embeddings: int = 1024,
+        share_encoder_decoder_embeddings: bool = True,
+        tie_word_embeddings: bool = True,
+        scale_embedding: bool = True,
+        label_smoothing: float = 0.1,
+        layer_norm_eps: float = 1e-5,
+        use_cache: bool = True,
+        pad_token_id: int = 0,
+        bos_token_id: int = 1,
+        eos_token_id: int = 2,
+        decoder_start_token_id: int = 1,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.target_vocab_size = target_vocab_size
+        self.d_model = d_model
+        self.encoder_layers = encoder_layers
+        self.decoder_layers = decoder_layers
+        self.num_heads = num_heads
+        self.d_ff = d_ff
+        self.dropout = dropout
+        self.attention_dropout = attention_dropout
+        self.activation_dropout = activation_dropout
+        self.activation_function = activation_function
+        self.normalize_before = normalize_before
+        self.position_embedding_type = position_embedding_type
+        self.max_position_embeddings = max_position_embeddings
+        self.share_encoder_decoder_embeddings = share_encoder_decoder_embeddings
+        self.scale_embedding = scale_embedding
+        self.label_smoothing = label_smoothing
+        self.layer_norm_eps = layer_norm_eps
+        self.use_cache = use_cache
+        kwargs.setdefault("is_encoder_decoder", True)
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            decoder_start_token_id=decoder_start_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self._validate()
+
+    @property
+    def decoder_vocab_size(self) -> int:
+        """Size of the target vocabulary: `target_vocab_size`, or `vocab_size` when that is `None`."""
+        return self.target_vocab_size or self.vocab_size
+
+    def _validate(self) -> None:
+        sizes = {
+            "vocab_size": self.vocab_size,
+            "d_model": self.d_model,
+            "encoder_layers": self.encoder_layers,
+            "decoder_layers": self.decoder_layers,
+            "num_heads": self.num_heads,
+            "d_ff": self.d_ff,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        if self.target_vocab_size is not None:
+            sizes["target_vocab_size"] = self.target_vocab_size
+        for name, value in sizes.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"VaswaniConfig: {name} must be a positive integer, got {value!r}.")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"VaswaniConfig: d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}) so that "
+                f"each head has d_k = d_model / num_heads dimensions (§3.2.2); choose e.g. num_heads="
+                f"{max(h for h in range(1, self.num_heads + 1) if self.d_model % h == 0)}."
+            )
+        for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"VaswaniConfig: {name} must be in [0, 1), got {value!r}.")
+        if self.activation_function not in _ACTIVATIONS:
+            raise ValueError(
+                f"VaswaniConfig: unknown activation_function {self.activation_function!r}; "
+                f"choose one of {', '.join(_ACTIVATIONS)} (the paper uses 'relu')."
+            )
+        if self.position_embedding_type not in _POSITIONS:
+            raise ValueError(
+                f"VaswaniConfig: unknown position_embedding_type {self.position_embedding_type!r}; "
+                f"choose 'sinusoidal' (the paper, §3.5) or 'learned' (Table 3, row E)."
+            )
+        if self.share_encoder_decoder_embeddings and self.decoder_vocab_size != self.vocab_size:
+            raise ValueError(
+                f"VaswaniConfig: share_encoder_decoder_embeddings=True needs one vocabulary, but vocab_size="
+                f"{self.vocab_size} and target_vocab_size={self.target_vocab_size}. Set "
+                "share_encoder_decoder_embeddings=False for separate source and target vocabularies."
+            )
+
+    @classmethod
+    def base(cls, **kwargs) -> "VaswaniConfig":
+        """The paper's base model (Table 3): d_model 512, 8 heads, d_ff 2048, 6+6 layers, dropout 0.1.
+
+        Any field can be overridden, e.g. `VaswaniConfig.base(vocab_size=8000)`.
+        """
+        return cls(**kwargs)
+
+    @classmethod
+    def big(cls, **kwargs) -> "VaswaniConfig":
+        """The paper's big model (Table 3): d_model 1024, 16 heads, d_ff 4096, 6+6 layers, dropout 0.3.
+
+        Any field can be overridden, e.g. `VaswaniConfig.big(dropout=0.1)` as used for English-French (§6.1).
+        """
+        params = {"d_model": 1024, "num_heads": 16, "d_ff": 4096, "dropout": 0.3}
+        params.update(kwargs)
+        return cls(**params)
+
+
+__all__ = ["VaswaniConfig"]

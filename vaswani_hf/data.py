@@ -1,0 +1,778 @@
+"""Parallel-data loading and token-budget batching shared by the training scripts.
+
+Everything here works offline. The default corpus is the copy of Multi30k task 1 shipped in
+``training/data/multi30k`` (see its README for origin, terms and citation); nothing is downloaded unless the
+caller explicitly asks for a Hugging Face Hub dataset with ``load_parallel_dataset(hub_dataset=...)``.
+
+Records have the layout used by the ``transformers`` translation examples::
+
+    {"translation": {"de": "Zwei junge weiße Männer ...", "en": "Two young, White males ..."}}
+
+Batching follows §5.1 of "Attention Is All You Need" ("Sentence pairs were batched together by approximate
+sequence length. Each training batch contained a set of sentence pairs containing approximately 25000 source
+tokens and 25000 target tokens") in the form fairseq implements it (``--max-tokens``): see
+:class:`TokenBudgetBatchSampler`.
+
+Bad input raises :class:`DataError` (a ``ValueError``) whose message names the file, line or field and says
+how to fix it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+from torch.utils.data import Sampler
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+__all__ = [
+    "DataError",
+    "ParallelText",
+    "read_lines",
+    "read_parallel_text",
+    "read_parallel_jsonl",
+    "load_parallel_dataset",
+    "multi30k_dir",
+    "multi30k_file",
+    "load_multi30k",
+    "MULTI30K_SPLITS",
+    "tokenize_dataset",
+    "example_lengths",
+    "TokenBudgetBatchSampler",
+    "padding_fraction",
+]
+
+
+class DataError(ValueError):
+    """Bad or missing training/evaluation data. The message names the file/line/field and the fix."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading files
+# --------------------------------------------------------------------------------------------------------------
+
+_EMPTY_LINE_POLICIES = ("skip", "error", "keep")
+
+
+def _check_empty_lines_policy(empty_lines: str) -> None:
+    if empty_lines not in _EMPTY_LINE_POLICIES:
+        raise DataError(f"empty_lines={empty_lines!r} is not one of {_EMPTY_LINE_POLICIES}.")
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def read_lines(path: PathLike) -> list[str]:
+    """Read a UTF-8 text file (plain or ``.gz``) as a list of lines, one sentence a line.
+
+    Lines are split on ``\\n`` only (so U+2028 and other Unicode separators inside a sentence never shift the
+    alignment with the other language), the line end (``\\n`` or ``\\r\\n``) is removed and surrounding
+    whitespace is stripped. A final line without ``\\n`` counts as a line; a trailing ``\\n`` does not add one.
+
+    Raises:
+        DataError: the file does not exist, is empty (no lines), is not valid gzip, or has non-UTF-8 bytes
+            (the message gives the 1-based line number and byte offset within the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found (or not a regular file). Check the path/prefix and language code.")
+    try:
+        with _open_binary(path) as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{path}: cannot read the file ({e}). If it is not gzip-compressed, drop the .gz suffix.") from None
+    chunks = raw.split(b"\n")
+    if chunks and chunks[-1] == b"":
+        chunks.pop()
+    if not chunks:
+        raise DataError(f"{path}: file is empty (0 lines). Expected one sentence per line.")
+    lines = []
+    for lineno, chunk in enumerate(chunks, start=1):
+        try:
+            text = chunk.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path}:{lineno}: not valid UTF-8 (byte {chunk[e.start:e.start + 1]!r} at byte offset {e.start} of "
+                f"line {lineno}). Re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`."
+            ) from None
+        lines.append(text.strip())
+    if lines and lines[0].startswith("\ufeff"):
+        lines[0] = lines[0][1:].strip()
+    return lines
+
+
+@dataclass
+class ParallelText:
+    """Aligned sentence pairs read from disk.
+
+    Attributes:
+        source, target: lists of equal length, one sentence each.
+        source_lang, target_lang: language codes.
+        skipped: number of pairs dropped because a side was empty (``empty_lines="skip"``).
+        origin: human-readable description of where the pairs came from (file names).
+    """
+
+    source: list[str]
+    target: list[str]
+    source_lang: str
+    target_lang: str
+    skipped: int = 0
+    origin: str = ""
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def to_records(self) -> list[dict[str, dict[str, str]]]:
+        return [{"translation": {self.source_lang: s, self.target_lang: t}} for s, t in zip(self.source, self.target)]
+
+
+def _apply_empty_policy(src, tgt, empty_lines, where_src, where_tgt, first_line=1):
+    """Return (src, tgt, skipped). where_* are callables line->str naming the location."""
+    _check_empty_lines_policy(empty_lines)
+    if empty_lines == "keep":
+        return src, tgt, 0
+    keep_src, keep_tgt, skipped = [], [], 0
+    for i, (s, t) in enumerate(zip(src, tgt)):
+        if s and t:
+            keep_src.append(s)
+            keep_tgt.append(t)
+            continue
+        if empty_lines == "error":
+            side = where_src(i + first_line) if not s else where_tgt(i + first_line)
+            raise DataError(
+                f"{side}: empty sentence. Remove the pair from both files, or load with empty_lines='skip' "
+                f"to drop pairs with an empty side."
+            )
+        skipped += 1
+    return keep_src, keep_tgt, skipped
+
+
+def _find_lang_files(prefix: Path) -> dict[str, Path]:
+    """Map language code -> existing file for files named ``{prefix}.{code}`` or ``{prefix}.{code}.gz``."""
+    found: dict[str, Path] = {}
+    parent = prefix.parent if str(prefix.parent) else Path(".")
+    if not parent.is_dir():
+        return found
+    stem = prefix.name + "."
+    for p in sorted(parent.iterdir()):
+        if not p.name.startswith(stem) or not p.is_file():
+            continue
+        code = p.name[len(stem):]
+        if code.endswith(".gz"):
+            code = code[:-3]
+        if code and "." not in code:
+            found.setdefault(code, p)
+    return found
+
+
+def _lang_file(prefix: Path, lang: str) -> Path:
+    plain, gz = Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")
+    if plain.is_file() and gz.is_file():
+        raise DataError(f"both {plain} and {gz} exist; remove one so it is clear which to read.")
+    if plain.is_file():
+        return plain
+    if gz.is_file():
+        return gz
+    present = _find_lang_files(prefix)
+    if present:
+        raise DataError(
+            f"no file for language {lang!r} at prefix {prefix} (looked for {plain} and {gz}). Languages present "
+            f"for this prefix: {', '.join(sorted(present))}. Pass source_lang/target_lang from these."
+        )
+    raise DataError(
+        f"no file for language {lang!r} at prefix {prefix} (looked for {plain} and {gz}), and no file "
+        f"{prefix}.<lang>[.gz] exists at all. Check the prefix: it is the path without the '.<lang>' suffix, "
+        f"e.g. training/data/multi30k/train."
+    )
+
+
+def read_parallel_text(
+    prefix: PathLike, source_lang: str, target_lang: str, *, empty_lines: str = "skip"
+) -> ParallelText:
+    """Read aligned files ``{prefix}.{source_lang}[.gz]`` and ``{prefix}.{target_lang}[.gz]``.
+
+    Args:
+        prefix: path without the language suffix, e.g. ``training/data/multi30k/train``.
+        source_lang, target_lang: language codes (file suffixes), e.g. ``"de"``, ``"en"``.
+        empty_lines: ``"skip"`` (default) drops pairs where either side is empty or whitespace-only and logs
+            the count (also in ``ParallelText.skipped``); ``"error"`` raises naming the file and line number;
+            ``"keep"`` keeps them.
+
+    Raises:
+        DataError: missing file / unknown language (lists the languages present), empty file, non-UTF-8 bytes
+            (file:line), different line counts (names both files and both counts), empty line with
+            ``empty_lines="error"``, ``source_lang == target_lang``.
+    """
+    if source_lang == target_lang:
+        raise DataError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
+    prefix = Path(prefix)
+    src_path, tgt_path = _lang_file(prefix, source_lang), _lang_file(prefix, target_lang)
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise DataError(
+            f"line counts differ: {src_path} has {len(src)} lines but {tgt_path} has {len(tgt)} lines. "
+            f"Parallel files must be aligned line by line (one sentence per line, same number of lines)."
+        )
+    src, tgt, skipped = _apply_empty_policy(
+        src, tgt, empty_lines, lambda n: f"{src_path}:{n}", lambda n: f"{tgt_path}:{n}"
+    )
+    origin = f"{src_path} + {tgt_path}"
+    if skipped:
+        logger.warning("%s: skipped %d of %d pairs with an empty side", origin, skipped, len(src) + skipped)
+    if not src:
+        raise DataError(f"{origin}: no non-empty sentence pairs left after skipping {skipped} empty ones.")
+    return ParallelText(src, tgt, source_lang, target_lang, skipped, origin)
+
+
+def read_parallel_jsonl(
+    path: PathLike, source_lang: str, target_lang: str, *, empty_lines: str = "skip"
+) -> ParallelText:
+    """Read a JSON-lines file (plain or ``.gz``), one ``{"translation": {"de": ..., "en": ...}}`` object a line.
+
+    Blank lines are ignored. Extra languages and extra top-level fields are ignored.
+    ``empty_lines`` applies to empty sentence strings, as in :func:`read_parallel_text`.
+
+    Raises:
+        DataError: missing/empty/non-UTF-8 file; invalid JSON, missing ``translation`` field, missing language
+            (lists the codes that record has) or non-string sentence, each with file:line.
+    """
+    if source_lang == target_lang:
+        raise DataError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
+    path = Path(path)
+    lines = read_lines(path)
+    src, tgt, linenos = [], [], []
+    for lineno, line in enumerate(lines, start=1):
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}).") from None
+        tr = rec.get("translation") if isinstance(rec, dict) else None
+        if not isinstance(tr, dict):
+            raise DataError(
+                f"{path}:{lineno}: expected an object with a 'translation' object, e.g. "
+                f'{{"translation": {{"{source_lang}": "...", "{target_lang}": "..."}}}}; got {line[:80]!r}.'
+            )
+        for lang in (source_lang, target_lang):
+            if lang not in tr:
+                raise DataError(
+                    f"{path}:{lineno}: language {lang!r} not in this record's 'translation'; codes present: "
+                    f"{', '.join(sorted(map(str, tr))) or '(none)'}. Pass source_lang/target_lang from these."
+                )
+            if not isinstance(tr[lang], str):
+                raise DataError(
+                    f"{path}:{lineno}: translation[{lang!r}] must be a string, got {type(tr[lang]).__name__}."
+                )
+        src.append(tr[source_lang].strip())
+        tgt.append(tr[target_lang].strip())
+        linenos.append(lineno)
+    if not src:
+        raise DataError(f"{path}: no JSON records (only blank lines).")
+    # map record index back to file line for messages
+    src, tgt, skipped = _apply_empty_policy(
+        src, tgt, empty_lines,
+        lambda i: f"{path}:{linenos[i - 1]} (translation[{source_lang!r}])",
+        lambda i: f"{path}:{linenos[i - 1]} (translation[{target_lang!r}])",
+    )
+    if skipped:
+        logger.warning("%s: skipped %d of %d pairs with an empty side", path, skipped, len(src) + skipped)
+    if not src:
+        raise DataError(f"{path}: no non-empty sentence pairs left after skipping {skipped} empty ones.")
+    return ParallelText(src, tgt, source_lang, target_lang, skipped, str(path))
+
+
+def _is_jsonl(path: Path) -> bool:
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    return name.endswith(".jsonl") or name.endswith(".json")
+
+
+def _to_dataset(pt: ParallelText):
+    import datasets
+
+    features = datasets.Features({"translation": datasets.Translation(languages=[pt.source_lang, pt.target_lang])})
+    ds = datasets.Dataset.from_dict(
+        {"translation": [{pt.source_lang: s, pt.target_lang: t} for s, t in zip(pt.source, pt.target)]},
+        features=features,
+    )
+    return ds
+
+
+def _load_split(source: PathLike, source_lang: str, target_lang: str, empty_lines: str):
+    p = Path(source)
+    if _is_jsonl(p):
+        pt = read_parallel_jsonl(p, source_lang, target_lang, empty_lines=empty_lines)
+    else:
+        pt = read_parallel_text(p, source_lang, target_lang, empty_lines=empty_lines)
+    return _to_dataset(pt)
+
+
+def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hub_kwargs):
+    import datasets
+
+    dsd = datasets.load_dataset(hub_dataset, hub_config, **(hub_kwargs or {}))
+    if isinstance(dsd, datasets.Dataset):
+        dsd = datasets.DatasetDict({"train": dsd})
+    out = {}
+    for split, ds in dsd.items():
+        if "translation" not in ds.column_names:
+            raise DataError(
+                f"Hub dataset {hub_dataset!r} split {split!r} has no 'translation' column (columns: "
+                f"{', '.join(ds.column_names)}). Convert it to {{'translation': {{src: ..., tgt: ...}}}} records "
+                f"and save as JSON lines."
+            )
+        if len(ds) == 0:
+            raise DataError(f"Hub dataset {hub_dataset!r} split {split!r} is empty.")
+        present = sorted(ds[0]["translation"])
+        for lang in (source_lang, target_lang):
+            if lang not in present:
+                raise DataError(
+                    f"Hub dataset {hub_dataset!r} split {split!r}: language {lang!r} not in 'translation'; codes "
+                    f"present: {', '.join(present)}."
+                )
+        src = [t[source_lang] or "" for t in ds["translation"]]
+        tgt = [t[target_lang] or "" for t in ds["translation"]]
+        src = [s.strip() for s in src]
+        tgt = [t.strip() for t in tgt]
+        src, tgt, skipped = _apply_empty_policy(
+            src, tgt, empty_lines,
+            lambda i: f"Hub dataset {hub_dataset!r} split {split!r} row {i - 1} ({source_lang})",
+            lambda i: f"Hub dataset {hub_dataset!r} split {split!r} row {i - 1} ({target_lang})",
+        )
+        if skipped:
+            logger.warning("Hub %s/%s: skipped %d pairs with an empty side", hub_dataset, split, skipped)
+        out[split] = _to_dataset(ParallelText(src, tgt, source_lang, target_lang, skipped, hub_dataset))
+    return datasets.DatasetDict(out)
+
+
+def load_parallel_dataset(
+    sources: Union[PathLike, Mapping[str, PathLike], None] = None,
+    source_lang: str = "de",
+    target_lang: str = "en",
+    *,
+    empty_lines: str = "skip",
+    hub_dataset: Optional[str] = None,
+    hub_config: Optional[str] = None,
+    hub_kwargs: Optional[Mapping[str, Any]] = None,
+):
+    """Load sentence pairs as ``datasets`` objects with records ``{"translation": {src: ..., tgt: ...}}``.
+
+    Args:
+        sources: either one source (returns a ``datasets.Dataset``) or a mapping ``split -> source`` (returns a
+            ``datasets.DatasetDict``, e.g. ``{"train": ".../train", "validation": ".../val"}``). A source is
+            (a) a prefix of parallel text files ``{prefix}.{lang}`` / ``{prefix}.{lang}.gz``, one sentence a line,
+            or (b) a JSON-lines file ending in ``.jsonl``/``.json`` (optionally ``.gz``), one
+            ``{"translation": {"de": ..., "en": ...}}`` object a line.
+        source_lang, target_lang: translation direction (default De→En, as Multi30k is usually reported).
+        empty_lines: ``"skip"`` (default: drop pairs with an empty side, log the count), ``"error"`` (raise with
+            file:line) or ``"keep"``.
+        hub_dataset, hub_config, hub_kwargs: instead of ``sources``, call
+            ``datasets.load_dataset(hub_dataset, hub_config, **hub_kwargs)`` (network access unless cached; only
+            used when given). Must have a ``translation`` column. Returns a ``DatasetDict``.
+
+    Raises:
+        DataError: see :func:`read_parallel_text` / :func:`read_parallel_jsonl`; also when both or neither of
+            ``sources`` and ``hub_dataset`` are given.
+    """
+    import datasets
+
+    _check_empty_lines_policy(empty_lines)
+    if (sources is None) == (hub_dataset is None):
+        raise DataError("pass exactly one of `sources` (local files) or `hub_dataset` (a Hub dataset name).")
+    if hub_dataset is not None:
+        return _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hub_kwargs)
+    if isinstance(sources, Mapping):
+        if not sources:
+            raise DataError("`sources` is an empty mapping; give at least one split, e.g. {'train': prefix}.")
+        return datasets.DatasetDict(
+            {split: _load_split(src, source_lang, target_lang, empty_lines) for split, src in sources.items()}
+        )
+    return _load_split(sources, source_lang, target_lang, empty_lines)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shipped Multi30k
+# --------------------------------------------------------------------------------------------------------------
+
+#: split name -> file stem in training/data/multi30k
+MULTI30K_SPLITS = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
+MULTI30K_ENV = "VASWANI_MULTI30K_DIR"
+
+
+def multi30k_dir() -> Path:
+    """Directory of the shipped Multi30k copy: ``$VASWANI_MULTI30K_DIR`` if set, else
+    ``<repo>/training/data/multi30k`` (resolved relative to this file, so it works from any working directory
+    in a source checkout or editable install).
+
+    Raises:
+        DataError: the directory does not exist (e.g. a wheel install without the repository); the message says
+            to set ``VASWANI_MULTI30K_DIR`` or pass explicit paths.
+    """
+    env = os.environ.get(MULTI30K_ENV)
+    d = Path(env) if env else Path(__file__).resolve().parent.parent / "training" / "data" / "multi30k"
+    if not d.is_dir():
+        raise DataError(
+            f"Multi30k directory {d} not found. The data ships in the repository under training/data/multi30k "
+            f"(not inside the installed package): run from a source checkout / editable install, or set "
+            f"{MULTI30K_ENV}=/path/to/training/data/multi30k, or pass explicit file prefixes to "
+            f"load_parallel_dataset()."
+        )
+    return d
+
+
+def multi30k_file(split: str, lang: str, *, tokenized_lowercased: bool = False) -> Path:
+    """Path of one shipped Multi30k file.
+
+    Args:
+        split: ``"train"``, ``"validation"`` or ``"test"`` (test = test_2016_flickr).
+        lang: ``"de"`` or ``"en"``.
+        tokenized_lowercased: if True, the official lowercased, punctuation-normalized, Moses-tokenized
+            reference (``tok/*.lc.norm.tok.{lang}.gz``) used for "tokenized BLEU" (see ``vaswani_hf.bleu``).
+    """
+    if split not in MULTI30K_SPLITS:
+        raise DataError(f"unknown Multi30k split {split!r}; choose from {', '.join(MULTI30K_SPLITS)}.")
+    if lang not in ("de", "en"):
+        raise DataError(f"Multi30k task 1 has languages 'de' and 'en', not {lang!r}.")
+    d = multi30k_dir()
+    stem = MULTI30K_SPLITS[split]
+    p = d / "tok" / f"{stem}.lc.norm.tok.{lang}.gz" if tokenized_lowercased else d / f"{stem}.{lang}.gz"
+    if not p.is_file():
+        raise DataError(f"{p}: shipped Multi30k file missing; restore it from git (training/data/multi30k).")
+    return p
+
+
+def load_multi30k(
+    source_lang: str = "de",
+    target_lang: str = "en",
+    *,
+    splits: Sequence[str] = ("train", "validation", "test"),
+    empty_lines: str = "skip",
+):
+    """The default dataset: shipped Multi30k task 1 as a ``DatasetDict`` (train 29,000 / validation 1,014 /
+    test 1,000 pairs; test = test2016 Flickr), De→En by default, with no network access.
+
+    Example::
+
+        >>> dsd = load_multi30k()              # De -> En
+        >>> dsd["train"][0]["translation"]["en"]
+        'Two young, White males are outside near many bushes.'
+    """
+    for lang in (source_lang, target_lang):
+        if lang not in ("de", "en"):
+            raise DataError(f"Multi30k task 1 has languages 'de' and 'en', not {lang!r}.")
+    d = multi30k_dir()
+    bad = [s for s in splits if s not in MULTI30K_SPLITS]
+    if bad:
+        raise DataError(f"unknown Multi30k split(s) {bad}; choose from {', '.join(MULTI30K_SPLITS)}.")
+    return load_parallel_dataset(
+        {s: d / MULTI30K_SPLITS[s] for s in splits}, source_lang, target_lang, empty_lines=empty_lines
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tokenization
+# --------------------------------------------------------------------------------------------------------------
+
+
+def tokenize_dataset(
+    dataset,
+    tokenizer,
+    source_lang: str,
+    target_lang: str,
+    max_length: Optional[int] = None,
+    *,
+    max_target_length: Optional[int] = None,
+    num_proc: Optional[int] = None,
+    batch_size: int = 1000,
+    keep_translation: bool = False,
+):
+    """Tokenize a ``Dataset``/``DatasetDict`` of ``{"translation": ...}`` records with any HF tokenizer.
+
+    Produces ``input_ids``, ``attention_mask`` (source) and ``labels`` (target token ids, as the tokenizer
+    returns them for ``text_target=``; e.g. ending in ``</s>``), ready for
+    ``transformers.DataCollatorForSeq2Seq``.
+
+    Args:
+        max_length: truncate source sequences to this many tokens (``None``: no truncation).
+        max_target_length: same for labels; defaults to ``max_length``.
+        keep_translation: keep the original ``translation`` column (default: removed).
+
+    Raises:
+        DataError: no ``translation`` column, or a language missing from it (lists the codes present);
+            non-positive ``max_length``.
+    """
+    import datasets
+
+    if max_target_length is None:
+        max_target_length = max_length
+    for name, v in (("max_length", max_length), ("max_target_length", max_target_length)):
+        if v is not None and (not isinstance(v, int) or v <= 0):
+            raise DataError(f"{name} must be a positive int or None, got {v!r}.")
+    parts = dataset.values() if isinstance(dataset, datasets.DatasetDict) else [dataset]
+    for ds in parts:
+        if "translation" not in ds.column_names:
+            raise DataError(
+                f"dataset has no 'translation' column (columns: {', '.join(ds.column_names)}); load it with "
+                f"vaswani_hf.data.load_parallel_dataset()."
+            )
+        if len(ds):
+            present = sorted(ds[0]["translation"])
+            for lang in (source_lang, target_lang):
+                if lang not in present:
+                    raise DataError(
+                        f"language {lang!r} not in the dataset's 'translation' column; codes present: "
+                        f"{', '.join(present)}."
+                    )
+
+    def _fn(batch):
+        src = [t[source_lang] for t in batch["translation"]]
+        tgt = [t[target_lang] for t in batch["translation"]]
+        enc = tokenizer(src, truncation=max_length is not None, max_length=max_length)
+        lab = tokenizer(text_target=tgt, truncation=max_target_length is not None, max_length=max_target_length)
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": lab["input_ids"]}
+
+    return dataset.map(
+        _fn,
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        remove_columns=None if keep_translation else ["translation"],
+        desc="Tokenizing",
+    )
+
+
+def example_lengths(dataset, source_column: str = "input_ids", target_column: str = "labels"):
+    """Per-example token counts ``(src_lengths, tgt_lengths)`` (int64 numpy arrays) of a tokenized dataset,
+    for :class:`TokenBudgetBatchSampler`."""
+    for c in (source_column, target_column):
+        if c not in dataset.column_names:
+            raise DataError(
+                f"column {c!r} not in dataset (columns: {', '.join(dataset.column_names)}); tokenize first "
+                f"with tokenize_dataset()."
+            )
+    src = np.fromiter((len(x) for x in dataset[source_column]), dtype=np.int64, count=len(dataset))
+    tgt = np.fromiter((len(x) for x in dataset[target_column]), dtype=np.int64, count=len(dataset))
+    return src, tgt
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Token-budget batching
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _as_lengths(x, name: str) -> np.ndarray:
+    try:
+        a = np.asarray(x)
+    except Exception as e:  # pragma: no cover - exotic inputs
+        raise DataError(f"{name} must be a sequence of non-negative ints ({e}).") from None
+    if a.ndim != 1:
+        raise DataError(f"{name} must be 1-D (one length per example), got shape {a.shape}.")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        if np.issubdtype(a.dtype, np.floating) and np.all(np.isfinite(a)) and np.all(a == np.round(a)):
+            a = a.astype(np.int64)
+        else:
+            raise DataError(f"{name} must hold integer token counts, got dtype {a.dtype}.")
+    a = a.astype(np.int64)
+    if a.size and a.min() < 0:
+        i = int(np.argmin(a))
+        raise DataError(f"{name}[{i}] = {a[i]} is negative; lengths are token counts.")
+    return a
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """Batches of example indices holding at most ``max_tokens`` padded tokens, like fairseq ``--max-tokens``.
+
+    Paper §5.1: "Sentence pairs were batched together by approximate sequence length. Each training batch
+    contained a set of sentence pairs containing approximately 25000 source tokens and 25000 target tokens."
+
+    Algorithm (per epoch, deterministic given ``seed`` and ``epoch``):
+
+    1. Order examples by source length, then target length (as fairseq's ``LanguagePairDataset``), ties broken
+       by a random permutation drawn from ``seed + epoch`` (only same-length examples are reordered, so the
+       batch *sizes* are the same every epoch while their contents vary).
+    2. Greedily pack consecutive examples while ``max(max(src_i, tgt_i) over the batch) * batch_size <=
+       max_tokens`` (fairseq's ``num_tokens`` = max of source and target length, counted padded) and, if given,
+       ``batch_size <= max_sentences``.
+    3. Shuffle the batch order with ``seed + epoch`` (if ``shuffle``; otherwise keep length order and no
+       tie-break noise, e.g. for evaluation).
+    4. Distributed: if ``num_replicas > 1`` the batch list is padded to a multiple of ``num_replicas`` by
+       repeating batches from its start (the only duplicates; at most ``num_replicas - 1`` batches), then rank
+       ``r`` takes batches ``r, r + num_replicas, ...``. Every example is seen at least once per epoch on some
+       rank, none is dropped, and every rank gets ``len(self)`` batches, so collective ops stay in step.
+       If you pass the DataLoader through ``accelerate.Accelerator.prepare``, keep ``num_replicas=1``:
+       accelerate shards batch samplers across processes itself (``even_batches=True`` pads the same way).
+
+    An example whose ``max(src, tgt)`` exceeds ``max_tokens`` makes the constructor raise (fairseq asserts the
+    same), telling you to raise ``max_tokens`` or drop long examples (e.g. truncate with
+    ``tokenize_dataset(max_length=...)``); ``skip_oversize=True`` instead leaves them out and counts them in
+    ``num_skipped`` (logged; like fairseq's ``--skip-invalid-size-inputs-valid-test``).
+
+    Call :meth:`set_epoch` before each epoch (as with ``DistributedSampler``); otherwise every epoch repeats
+    the order of epoch 0.
+
+    Args:
+        src_lengths: token count of each example's source (e.g. from :func:`example_lengths`).
+        tgt_lengths: token count of each target; ``None`` uses the source lengths only.
+        max_tokens: token budget per batch (padded, per rank). Paper: ~25000 per side on 8 GPUs.
+        max_sentences: optional cap on examples per batch.
+        shuffle: shuffle batch order and break ties randomly (training); False for evaluation.
+        seed: base random seed; must be the same on all ranks.
+        num_replicas, rank: distributed split (defaults: single process).
+        skip_oversize: see above.
+
+    Raises:
+        DataError: lengths of different sizes / negative / non-integer, ``max_tokens`` or ``max_sentences`` not
+            a positive int, ``rank`` outside ``[0, num_replicas)``, an oversize example (unless skipped), or no
+            examples.
+    """
+
+    def __init__(
+        self,
+        src_lengths: Sequence[int],
+        tgt_lengths: Optional[Sequence[int]] = None,
+        max_tokens: int = 4096,
+        *,
+        max_sentences: Optional[int] = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+        skip_oversize: bool = False,
+    ):
+        src = _as_lengths(src_lengths, "src_lengths")
+        tgt = src if tgt_lengths is None else _as_lengths(tgt_lengths, "tgt_lengths")
+        if len(src) != len(tgt):
+            raise DataError(f"src_lengths has {len(src)} entries but tgt_lengths has {len(tgt)}; one per example.")
+        if len(src) == 0:
+            raise DataError("no examples: src_lengths is empty.")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
+            raise DataError(f"max_tokens must be a positive int, got {max_tokens!r}.")
+        if max_sentences is not None and (
+            isinstance(max_sentences, bool) or not isinstance(max_sentences, (int, np.integer)) or max_sentences <= 0
+        ):
+            raise DataError(f"max_sentences must be a positive int or None, got {max_sentences!r}.")
+        if not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
+            raise DataError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
+            raise DataError(f"rank must be in [0, num_replicas={num_replicas}), got {rank!r}.")
+        self.src_lengths, self.tgt_lengths = src, tgt
+        self.num_tokens = np.maximum(np.maximum(src, tgt), 1)
+        self.max_tokens, self.max_sentences = int(max_tokens), max_sentences
+        self.shuffle, self.seed = shuffle, int(seed)
+        self.num_replicas, self.rank = int(num_replicas), int(rank)
+        self.epoch = 0
+
+        over = np.nonzero(self.num_tokens > self.max_tokens)[0]
+        if len(over) and not skip_oversize:
+            show = ", ".join(f"#{i} ({self.num_tokens[i]} tokens)" for i in over[:5])
+            raise DataError(
+                f"{len(over)} example(s) longer than max_tokens={self.max_tokens}: {show}"
+                f"{' ...' if len(over) > 5 else ''}. Raise --max_tokens to at least {int(self.num_tokens.max())}, "
+                f"truncate/filter long examples (e.g. tokenize_dataset(max_length=...)), or pass "
+                f"skip_oversize=True to leave them out."
+            )
+        self.num_skipped = int(len(over))
+        if self.num_skipped:
+            logger.warning("TokenBudgetBatchSampler: skipping %d example(s) longer than max_tokens=%d",
+                           self.num_skipped, self.max_tokens)
+        keep = np.ones(len(src), dtype=bool)
+        keep[over] = False
+        self._valid = np.nonzero(keep)[0]
+        if len(self._valid) == 0:
+            raise DataError(f"all {len(src)} examples are longer than max_tokens={self.max_tokens}.")
+        self._num_global_batches = len(self._make_batches(self._order(0)))
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _order(self, epoch: int) -> np.ndarray:
+        idx = self._valid
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch, 0])
+            idx = idx[rng.permutation(len(idx))]
+        # stable sorts: primary key source length, secondary target length (fairseq LanguagePairDataset)
+        idx = idx[np.argsort(self.tgt_lengths[idx], kind="stable")]
+        idx = idx[np.argsort(self.src_lengths[idx], kind="stable")]
+        return idx
+
+    def _make_batches(self, order: np.ndarray) -> list[list[int]]:
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        cur_max = 0
+        ntok = self.num_tokens
+        cap = self.max_sentences
+        for i in order.tolist():
+            n = int(ntok[i])
+            new_max = max(cur_max, n)
+            if cur and (new_max * (len(cur) + 1) > self.max_tokens or (cap is not None and len(cur) >= cap)):
+                batches.append(cur)
+                cur, new_max = [], n
+            cur.append(i)
+            cur_max = new_max
+        if cur:
+            batches.append(cur)
+        return batches
+
+    # -- public API -----------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch used (with ``seed``) for tie-breaking and batch shuffling. Call before each epoch."""
+        self.epoch = int(epoch)
+
+    def global_batches(self, epoch: Optional[int] = None) -> list[list[int]]:
+        """All batches of ``epoch`` (default: current) before the per-rank split, in iteration order."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        batches = self._make_batches(self._order(epoch))
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch, 1])
+            batches = [batches[j] for j in rng.permutation(len(batches))]
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self.global_batches()
+        if self.num_replicas > 1:
+            total = self.num_replicas * math.ceil(len(batches) / self.num_replicas)
+            pad = total - len(batches)
+            batches = batches + [batches[j % len(batches)] for j in range(pad)]
+            batches = batches[self.rank::self.num_replicas]
+        return iter(batches)
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (the same on every rank and every epoch)."""
+        return math.ceil(self._num_global_batches / self.num_replicas)
+
+    @property
+    def num_examples(self) -> int:
+        """Examples covered per epoch (all of them minus ``num_skipped``)."""
+        return len(self._valid)
+
+
+def padding_fraction(
+    batches: Sequence[Sequence[int]], src_lengths: Sequence[int], tgt_lengths: Optional[Sequence[int]] = None
+) -> float:
+    """Fraction of token slots that are padding when each batch's sources are padded to the batch's longest
+    source and targets to the longest target (what ``DataCollatorForSeq2Seq`` does), summed over both sides:
+    ``sum(pad slots) / sum(all slots)`` in [0, 1). ``tgt_lengths=None`` measures the source side only."""
+    src = _as_lengths(src_lengths, "src_lengths")
+    sides = [src] if tgt_lengths is None else [src, _as_lengths(tgt_lengths, "tgt_lengths")]
+    total = real = 0
+    for b in batches:
+        if len(b) == 0:
+            continue
+        b = np.asarray(b, dtype=np.int64)
+        for lens in sides:
+            lb = lens[b]
+            total += int(lb.max()) * len(b)
+            real += int(lb.sum())
+    if total == 0:
+        raise DataError("padding_fraction: no tokens in the given batches.")
+    return 1.0 - real / total

@@ -1,0 +1,799 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as a transformers model.
+
+The file reads top to bottom like §3 of the paper:
+
+    §3.5  positional encoding ............ VaswaniSinusoidalPositionalEncoding, VaswaniLearnedPositionalEmbedding
+    §3.2  attention ...................... eager_attention_forward (Eq. 1), VaswaniAttention (multi-head)
+    §3.1  encoder and decoder layers ..... VaswaniEncoderLayer, VaswaniDecoderLayer (the FFN of §3.3 inside)
+    §3.1  the two stacks ................. VaswaniEncoder, VaswaniDecoder
+    §3.4  shared embeddings and softmax .. VaswaniModel, VaswaniForConditionalGeneration
+    §5.4  label-smoothed loss ............ VaswaniForConditionalGeneration.forward
+
+It imports only torch, transformers and `configuration_vaswani.py`: the two files are copied to the Hub and loaded
+there with `trust_remote_code=True`.
+
+Shapes in comments: B batch, S source length, T target length (new tokens), P past (cached) target length,
+D d_model, H heads, Dh = D / H, V vocabulary.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+try:
+    from .configuration_vaswani import VaswaniConfig
+except ImportError:  # loaded as a standalone file
+    from configuration_vaswani import VaswaniConfig
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Decoder input for teacher forcing: `labels` shifted one position right, starting with the start token.
+
+    Args:
+        labels: `(B, T)` target ids; `-100` (ignored positions) become `pad_token_id`.
+    Returns:
+        `(B, T)` decoder input ids.
+    """
+    shifted = labels.new_full(labels.shape, decoder_start_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+# §3.5 Positional encoding -------------------------------------------------------------------------------------------
+
+
+def sinusoidal_table(num_positions: int, d_model: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)) (§3.5).
+
+    Sines and cosines are interleaved as the formula writes them (even dimensions sin, odd cos), unlike Marian
+    and fairseq, which put all sines first.
+
+    Returns:
+        `(num_positions, d_model)` table; row `pos` encodes position `pos` (counted from 0).
+    """
+    position = torch.arange(num_positions, dtype=torch.float64, device=device).unsqueeze(1)  # (N, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=device)  # (ceil(D/2),)
+    angle = position / torch.pow(10000.0, two_i / d_model)  # (N, ceil(D/2))
+    table = torch.zeros(num_positions, d_model, dtype=torch.float64, device=device)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return table.to(dtype)
+
+
+class VaswaniSinusoidalPositionalEncoding(nn.Module):
+    """The fixed positional encodings of §3.5, precomputed for `max_position_embeddings` positions.
+
+    Not a parameter and not stored in checkpoints (a non-persistent buffer filled in `_init_weights`, so it is
+    right after `from_pretrained`, which builds models on the meta device). Positions past the table are computed
+    on the fly, so inputs of any length work.
+    """
+
+    def __init__(self, num_positions: int, d_model: int):
+        super().__init__()
+        self.d_model = d_model
+        self.register_buffer("weight", sinusoidal_table(num_positions, d_model), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """`position_ids` `(T,)` or `(B, T)` -> encodings `(..., D)` in the table's dtype."""
+        table = self.weight
+        needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        if needed > table.shape[0]:
+            table = sinusoidal_table(needed, self.d_model, dtype=table.dtype, device=table.device)
+        return table[position_ids]
+
+
+class VaswaniLearnedPositionalEmbedding(nn.Embedding):
+    """Learned positional embeddings (Table 3, row E): one vector per position up to `max_position_embeddings`."""
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """`position_ids` `(T,)` or `(B, T)` -> embeddings `(..., D)`.
+
+        Raises:
+            ValueError: a position is past `max_position_embeddings` (learned positions cannot extrapolate).
+        """
+        if position_ids.numel() and int(position_ids.max()) >= self.num_embeddings:
+            raise ValueError(
+                f"Sequence of {int(position_ids.max()) + 1} tokens is longer than max_position_embeddings="
+                f"{self.num_embeddings} of this model's learned positions. Truncate the input (tokenizer "
+                "truncation=True, max_length=...) or use position_embedding_type='sinusoidal', which extrapolates."
+            )
+        return super().forward(position_ids)
+
+
+# §3.2 Attention ------------------------------------------------------------------------------------------------------
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention, softmax(Q K^T / sqrt(d_k)) V (§3.2.1, Eq. 1), written out.
+
+    Args:
+        query: `(B, H, Tq, Dh)`; key, value: `(B, H, Tk, Dh)`.
+        attention_mask: additive `(B, 1, Tq, Tk)` mask, 0 where attending and a large negative number elsewhere.
+    Returns:
+        output `(B, Tq, H, Dh)` and attention probabilities `(B, H, Tq, Tk)`.
+    """
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    output = torch.matmul(probs, value).transpose(1, 2).contiguous()  # (B, Tq, H, Dh)
+    return output, probs
+
+
+class VaswaniAttention(nn.Module):
+    """Multi-head attention (§3.2.2): MultiHead(Q, K, V) = Concat(head_1..head_h) W^O.
+
+    Self-attention projects queries, keys and values with one fused matrix `qkv_proj` (D -> 3D); encoder-decoder
+    attention (§3.2.3) projects queries from the decoder with `q_proj` (D -> D) and keys and values from the
+    encoder output with one fused `kv_proj` (D -> 2D), which it computes once per `generate()` call and then reads
+    from the cache. The attention kernel is transformers' `attn_implementation` ("eager", "sdpa",
+    "flash_attention_2", ...); `eager_attention_forward` above is the reference.
+    """
+
+    def __init__(self, config: VaswaniConfig, is_cross_attention: bool = False, is_causal: bool = False,
+                 layer_idx: int | None = None):
+        super().__init__()
+        self.config = config
+        self.d_model = config.d_model
+        self.num_heads = config.num_heads
+        self.head_dim = config.d_model // config.num_heads
+        self.scaling = self.head_dim**-0.5  # 1 / sqrt(d_k)
+        self.dropout = config.attention_dropout
+        self.is_cross_attention = is_cross_attention
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+        if is_cross_attention:
+            self.q_proj = nn.Linear(self.d_model, self.d_model)
+            self.kv_proj = nn.Linear(self.d_model, 2 * self.d_model)
+        else:
+            self.qkv_proj = nn.Linear(self.d_model, 3 * self.d_model)
+        self.out_proj = nn.Linear(self.d_model, self.d_model)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, L, n*D)` -> n tensors `(B, H, L, Dh)`."""
+        batch, length = x.shape[:2]
+        return x.view(batch, length, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """
+        Args:
+            hidden_states: `(B, T, D)` queries (and keys/values for self-attention).
+            key_value_states: `(B, S, D)` encoder output for encoder-decoder attention, else `None`.
+            attention_mask: additive `(B, 1, T, T_k)` mask or `None`.
+            past_key_values: an `EncoderDecoderCache` during incremental decoding.
+        Returns:
+            `(B, T, D)` output and, if `output_attentions`, the `(B, H, T, T_k)` attention probabilities.
+        """
+        batch, length = hidden_states.shape[:2]
+        if self.is_cross_attention:
+            (query,) = self._heads(self.q_proj(hidden_states))
+            cache = past_key_values.cross_attention_cache if past_key_values is not None else None
+            if cache is not None and past_key_values.is_updated.get(self.layer_idx):
+                key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+            else:
+                key, value = self._heads(self.kv_proj(key_value_states))
+                if cache is not None:
+                    key, value = cache.update(key, value, self.layer_idx)
+                    past_key_values.is_updated[self.layer_idx] = True
+        else:
+            query, key, value = self._heads(self.qkv_proj(hidden_states))  # each (B, H, T, Dh)
+            if past_key_values is not None:
+                cache = past_key_values
+                if isinstance(cache, EncoderDecoderCache):
+                    cache = cache.self_attention_cache
+                key, value = cache.update(key, value, self.layer_idx)  # (B, H, P + T, Dh)
+
+        implementation = self.config._attn_implementation or "eager"
+        attention: Callable = eager_attention_forward
+        if implementation != "eager" and not output_attentions:
+            attention = ALL_ATTENTION_FUNCTIONS[implementation]
+        output, probs = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=self.dropout if self.training else 0.0,
+            **kwargs,
+        )
+        output = self.out_proj(output.reshape(batch, length, self.d_model))
+        return output, (probs if output_attentions else None)
+
+
+# §3.1 Encoder and decoder layers -------------------------------------------------------------------------------------
+
+
+class VaswaniEncoderLayer(GradientCheckpointingLayer):
+    """One encoder layer (§3.1): self-attention, then the position-wise FFN (§3.3, Eq. 2).
+
+    Each sublayer is wrapped as LayerNorm(x + Dropout(Sublayer(x))) (post-LN, the paper) or
+    x + Dropout(Sublayer(LayerNorm(x))) (pre-LN, `normalize_before=True`).
+    """
+
+    def __init__(self, config: VaswaniConfig):
+        super().__init__()
+        self.normalize_before = config.normalize_before
+        self.dropout = config.dropout
+        self.activation_dropout = config.activation_dropout
+        self.self_attn = VaswaniAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.activation_fn = ACT2FN[config.activation_function]
+        self.fc1 = nn.Linear(config.d_model, config.d_ff)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """FFN(x) = max(0, x W1 + b1) W2 + b2 (§3.3, Eq. 2); `(B, L, D)` -> `(B, L, D)`."""
+        x = self.activation_fn(self.fc1(x))
+        x = F.dropout(x, p=self.activation_dropout, training=self.training)
+        return self.fc2(x)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                output_attentions: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(B, S, D)` -> `(B, S, D)`, and the self-attention probabilities if `output_attentions`."""
+        residual = hidden_states
+        if self.normalize_before:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+        hidden_states, attn = self.self_attn(hidden_states, attention_mask=attention_mask,
+                                             output_attentions=output_attentions, **kwargs)
+        hidden_states = residual + F.dropout(hidden_states, p=self.dropout, training=self.training)
+        if not self.normalize_before:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+
+        residual = hidden_states
+        if self.normalize_before:
+            hidden_states = self.final_layer_norm(hidden_states)
+        hidden_states = residual + F.dropout(self.feed_forward(hidden_states), p=self.dropout, training=self.training)
+        if not self.normalize_before:
+            hidden_states = self.final_layer_norm(hidden_states)
+        return hidden_states, attn
+
+
+class VaswaniDecoderLayer(VaswaniEncoderLayer):
+    """One decoder layer (§3.1): masked self-attention, encoder-decoder attention (§3.2.3), then the FFN."""
+
+    def __init__(self, config: VaswaniConfig, layer_idx: int):
+        super().__init__(config)
+        self.self_attn = VaswaniAttention(config, is_causal=True, layer_idx=layer_idx)
+        self.encoder_attn = VaswaniAttention(config, is_cross_attention=True, layer_idx=layer_idx)
+        self.encoder_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        output_attentions: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`(B, T, D)` -> `(B, T, D)`, and self- and cross-attention probabilities if `output_attentions`."""
+        sublayers = (
+            (self.self_attn, self.self_attn_layer_norm, None, attention_mask),
+            (self.encoder_attn, self.encoder_attn_layer_norm, encoder_hidden_states, encoder_attention_mask),
+        )
+        attentions = []
+        for attention, layer_norm, key_value_states, mask in sublayers:
+            residual = hidden_states
+            if self.normalize_before:
+                hidden_states = layer_norm(hidden_states)
+            hidden_states, attn = attention(hidden_states, key_value_states=key_value_states, attention_mask=mask,
+                                            past_key_values=past_key_values, output_attentions=output_attentions,
+                                            **kwargs)
+            hidden_states = residual + F.dropout(hidden_states, p=self.dropout, training=self.training)
+            if not self.normalize_before:
+                hidden_states = layer_norm(hidden_states)
+            attentions.append(attn)
+
+        residual = hidden_states
+        if self.normalize_before:
+            hidden_states = self.final_layer_norm(hidden_states)
+        hidden_states = residual + F.dropout(self.feed_forward(hidden_states), p=self.dropout, training=self.training)
+        if not self.normalize_before:
+            hidden_states = self.final_layer_norm(hidden_states)
+        return hidden_states, attentions[0], attentions[1]
+
+
+# Initialization and the common base ----------------------------------------------------------------------------------
+
+
+class VaswaniPreTrainedModel(PreTrainedModel):
+    """Weights initialization as in fairseq's reference Transformer, and what transformers needs to know."""
+
+    config_class = VaswaniConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["VaswaniEncoderLayer", "VaswaniDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Xavier-uniform linears with zero bias, embeddings N(0, d_model^-0.5) with a zero padding row, unit
+        LayerNorms, and the sinusoidal table (a buffer that v5's meta-device loading leaves empty)."""
+        d_model = self.config.d_model
+        if isinstance(module, VaswaniAttention):
+            # Runs after the module's own linears (children first). fairseq initializes q, k and v as separate
+            # (D, D) matrices, xavier-uniform with gain 1/sqrt(2): uniform(+-sqrt(6 / 4D)) for every block.
+            bound = math.sqrt(6.0 / (4 * d_model))
+            for linear in ([module.q_proj, module.kv_proj] if module.is_cross_attention else [module.qkv_proj]):
+                init.uniform_(linear.weight, -bound, bound)
+        elif isinstance(module, nn.Linear):
+            init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=d_model**-0.5)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, VaswaniSinusoidalPositionalEncoding):
+            init.copy_(module.weight, sinusoidal_table(*module.weight.shape))
+
+
+def _positional_encoding(config: VaswaniConfig) -> nn.Module:
+    if config.position_embedding_type == "learned":
+        return VaswaniLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
+    return VaswaniSinusoidalPositionalEncoding(config.max_position_embeddings, config.d_model)
+
+
+def _padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, query_length: int) -> torch.Tensor | None:
+    """`(B, L)` 1/0 mask -> additive `(B, 1, query_length, L)` mask (0 keep, dtype-min drop); `None` if all kept."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    blocked = attention_mask[:, None, None, :].eq(0).expand(-1, 1, query_length, -1)
+    return torch.zeros(blocked.shape, dtype=dtype, device=attention_mask.device).masked_fill(
+        blocked, torch.finfo(dtype).min)
+
+
+def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, past: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor | None:
+    """Additive `(B, 1, T, P + T)` mask hiding future positions (§3.2.3) and padded keys; `None` when only one
+    new position attends to an unpadded past (incremental decoding needs no mask)."""
+    total = past + length
+    if attention_mask is not None and bool(attention_mask.all()):
+        attention_mask = None
+    if length == 1 and attention_mask is None:
+        return None
+    query_pos = torch.arange(past, total, device=device)[:, None]
+    key_pos = torch.arange(total, device=device)[None, :]
+    blocked = (key_pos > query_pos)[None, None]  # (1, 1, T, P + T)
+    if attention_mask is not None:
+        blocked = blocked | attention_mask[:, None, None, -total:].eq(0)
+    blocked = blocked.expand(batch, 1, length, total)
+    return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)
+
+
+# §3.1 The encoder and decoder stacks ---------------------------------------------------------------------------------
+
+
+class VaswaniEncoder(nn.Module):
+    """The encoder (§3.1): embed x sqrt(d_model) + positional encoding, dropout, then N layers."""
+
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.dropout = config.dropout
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.embed_tokens = embed_tokens
+        self.embed_positions = _positional_encoding(config)
+        self.layers = nn.ModuleList([VaswaniEncoderLayer(config) for _ in range(config.encoder_layers)])
+        self.layer_norm = (nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+                           if config.normalize_before else None)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **kwargs,
+    ) -> BaseModelOutput:
+        """
+        Args:
+            input_ids: `(B, S)` source token ids, or `inputs_embeds` `(B, S, D)` (unscaled, like `embed_tokens`).
+            attention_mask: `(B, S)`, 1 for tokens and 0 for padding.
+        Returns:
+            `BaseModelOutput` with `last_hidden_state` `(B, S, D)`; `hidden_states` (N + 1 tensors, the embeddings
+            first) and `attentions` (N tensors `(B, H, S, S)`) when asked for.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("VaswaniEncoder: pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            _check_ids(input_ids, self.embed_tokens.num_embeddings, "input_ids")
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        positions = self.embed_positions(torch.arange(length, device=inputs_embeds.device))  # (S, D)
+        hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
+        hidden_states = F.dropout(hidden_states, p=self.dropout, training=self.training)
+        mask = _padding_mask(attention_mask, hidden_states.dtype, length)
+
+        all_hidden, all_attn = [], []
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden.append(hidden_states)
+            hidden_states, attn = layer(hidden_states, mask, output_attentions=output_attentions)
+            if output_attentions:
+                all_attn.append(attn)
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
+        if output_hidden_states:
+            all_hidden.append(hidden_states)
+        return BaseModelOutput(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=tuple(all_attn) if output_attentions else None,
+        )
+
+
+class VaswaniDecoder(nn.Module):
+    """The decoder (§3.1): embed x sqrt(d_model) + positional encoding, dropout, then N layers that attend to
+    earlier target positions only and to the encoder output."""
+
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding):
+        super().__init__()
+        self.config = config
+        self.dropout = config.dropout
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.embed_tokens = embed_tokens
+        self.embed_positions = _positional_encoding(config)
+        self.layers = nn.ModuleList([VaswaniDecoderLayer(config, i) for i in range(config.decoder_layers)])
+        self.layer_norm = (nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+                           if config.normalize_before else None)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        **kwargs,
+    ) -> dict:
+        """
+        Args:
+            input_ids: `(B, T)` target ids (the new ones only when `past_key_values` holds P earlier positions),
+                or `inputs_embeds` `(B, T, D)`.
+            attention_mask: `(B, T)` or `(B, P + T)` target padding mask (1 keep, 0 pad); causality is implied.
+            encoder_hidden_states: `(B, S, D)`; encoder_attention_mask: `(B, S)`.
+        Returns:
+            a dict with `last_hidden_state` `(B, T, D)`, `past_key_values`, and when asked for `hidden_states`,
+            `attentions` `(B, H, T, P + T)` and `cross_attentions` `(B, H, T, S)` per layer.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("VaswaniDecoder: pass exactly one of decoder_input_ids or decoder_inputs_embeds.")
+        if inputs_embeds is None:
+            _check_ids(input_ids, self.embed_tokens.num_embeddings, "decoder_input_ids")
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        if use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        positions = self.embed_positions(torch.arange(past, past + length, device=inputs_embeds.device))
+        hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
+        hidden_states = F.dropout(hidden_states, p=self.dropout, training=self.training)
+        self_mask = _causal_mask(attention_mask, batch, length, past, hidden_states.dtype, hidden_states.device)
+        cross_mask = _padding_mask(encoder_attention_mask, hidden_states.dtype, length)
+
+        all_hidden, all_self, all_cross = [], [], []
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden.append(hidden_states)
+            hidden_states, self_attn, cross_attn = layer(
+                hidden_states, self_mask, encoder_hidden_states, encoder_attention_mask=cross_mask,
+                past_key_values=past_key_values if use_cache else None, output_attentions=output_attentions)
+            if output_attentions:
+                all_self.append(self_attn)
+                all_cross.append(cross_attn)
+        if self.layer_norm is not None:
+            hidden_states = self.layer_norm(hidden_states)
+        if output_hidden_states:
+            all_hidden.append(hidden_states)
+        return {
+            "last_hidden_state": hidden_states,
+            "past_key_values": past_key_values if use_cache else None,
+            "hidden_states": tuple(all_hidden) if output_hidden_states else None,
+            "attentions": tuple(all_self) if output_attentions else None,
+            "cross_attentions": tuple(all_cross) if output_attentions else None,
+        }
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
+    """Raise a clear error for token ids outside the embedding table (a tokenizer/model vocabulary mismatch)."""
+    if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+        raise ValueError(
+            f"{name} holds token id {int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())}, outside "
+            f"this model's vocabulary of {vocab_size} entries. The tokenizer does not match the model: load the "
+            "tokenizer saved with the model, or resize the embeddings with model.resize_token_embeddings(len(tokenizer))."
+        )
+
+
+# §3.4 Embeddings shared three ways, and the model ---------------------------------------------------------------------
+
+
+class VaswaniModel(VaswaniPreTrainedModel):
+    """The encoder-decoder without the output projection (§3.1).
+
+    With `share_encoder_decoder_embeddings` (default), `shared` is the one embedding matrix that both stacks read
+    (§3.4); otherwise each stack has its own.
+    """
+
+    def __init__(self, config: VaswaniConfig):
+        super().__init__(config)
+        if config.share_encoder_decoder_embeddings:
+            self.shared = nn.Embedding(config.vocab_size, config.d_model, config.pad_token_id)
+            encoder_embed = decoder_embed = self.shared
+            self._tied_weights_keys = {
+                "encoder.embed_tokens.weight": "shared.weight",
+                "decoder.embed_tokens.weight": "shared.weight",
+            }
+        else:
+            encoder_embed = nn.Embedding(config.vocab_size, config.d_model, config.pad_token_id)
+            decoder_embed = nn.Embedding(config.decoder_vocab_size, config.d_model, config.pad_token_id)
+        self.encoder = VaswaniEncoder(config, encoder_embed)
+        self.decoder = VaswaniDecoder(config, decoder_embed)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        if self.config.share_encoder_decoder_embeddings:
+            self.shared = value
+            self.decoder.embed_tokens = value
+        self.encoder.embed_tokens = value
+
+    def get_encoder(self, *args, **kwargs) -> VaswaniEncoder:
+        return self.encoder
+
+    def get_decoder(self, *args, **kwargs) -> VaswaniDecoder:
+        return self.decoder
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqModelOutput:
+        """
+        Args:
+            input_ids: `(B, S)` source ids; attention_mask: `(B, S)` (1 token, 0 padding).
+            decoder_input_ids: `(B, T)` target ids starting with `decoder_start_token_id`.
+            encoder_outputs: a previous encoder output to reuse (skips the encoder).
+            past_key_values: `EncoderDecoderCache` for incremental decoding.
+        Returns:
+            `Seq2SeqModelOutput` with `last_hidden_state` `(B, T, D)` from the decoder and the encoder's output.
+        """
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (output_hidden_states if output_hidden_states is not None
+                                else self.config.output_hidden_states)
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                           inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+                                           output_hidden_states=output_hidden_states)
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError(
+                "VaswaniModel needs decoder_input_ids (or decoder_inputs_embeds). For training pass labels to "
+                "VaswaniForConditionalGeneration, which shifts them right to make the decoder input."
+            )
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        output = Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs["last_hidden_state"],
+            past_key_values=decoder_outputs["past_key_values"],
+            decoder_hidden_states=decoder_outputs["hidden_states"],
+            decoder_attentions=decoder_outputs["attentions"],
+            cross_attentions=decoder_outputs["cross_attentions"],
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+
+class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
+    """The whole Transformer: `VaswaniModel` plus the pre-softmax linear projection `lm_head` (§3.4), which shares
+    its weight with the embeddings (`tie_word_embeddings`), and the label-smoothed loss (§5.4).
+
+    Its `generation_config` defaults to the paper's decoding (§6.1): beam 4, length penalty 0.6.
+    """
+
+    def __init__(self, config: VaswaniConfig):
+        super().__init__(config)
+        self.model = VaswaniModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.decoder_vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            source = "model.shared.weight" if config.share_encoder_decoder_embeddings else \
+                "model.decoder.embed_tokens.weight"
+            self._tied_weights_keys = {"lm_head.weight": source}
+            if config.share_encoder_decoder_embeddings:
+                self._tied_weights_keys.update({"model.encoder.embed_tokens.weight": source,
+                                                "model.decoder.embed_tokens.weight": source})
+        self.post_init()
+        self.generation_config = self.paper_generation_config(config)
+
+    @staticmethod
+    def paper_generation_config(config: VaswaniConfig) -> GenerationConfig:
+        """Beam 4, length penalty 0.6 (§6.1), starting from `decoder_start_token_id` and ending at `</s>`."""
+        return GenerationConfig(
+            num_beams=4,
+            length_penalty=0.6,
+            early_stopping=True,
+            max_length=256,
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+            decoder_start_token_id=config.decoder_start_token_id,
+        )
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def get_encoder(self, *args, **kwargs) -> VaswaniEncoder:
+        return self.model.encoder
+
+    def get_decoder(self, *args, **kwargs) -> VaswaniDecoder:
+        return self.model.decoder
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: BaseModelOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **kwargs,
+    ) -> Seq2SeqLMOutput:
+        """
+        Args:
+            input_ids: `(B, S)` source ids; attention_mask: `(B, S)` (1 token, 0 padding).
+            decoder_input_ids: `(B, T)`; made from `labels` (shifted right) when not given.
+            labels: `(B, T)` target ids ending in `</s>`, `-100` where no loss is wanted.
+            num_items_in_batch: the number of labelled tokens in the whole (accumulated, all-device) batch, as
+                Trainer passes it; the loss is then a sum divided by this count, which keeps gradient
+                accumulation exact.
+        Returns:
+            `Seq2SeqLMOutput` with `logits` `(B, T, V)` and, with `labels`, `loss`: the mean over labelled tokens of
+            the cross-entropy with label smoothing `config.label_smoothing` (§5.4; epsilon spread uniformly over the
+            vocabulary, torch's definition).
+        """
+        if labels is not None:
+            use_cache = False
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id,
+                                                       self.config.decoder_start_token_id)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = self.loss(logits, labels, num_items_in_batch)
+        output = Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor,
+             num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Label-smoothed cross-entropy (§5.4), summed over labelled tokens and divided by `num_items_in_batch`
+        (default: the number of labels != -100 in `labels`). `logits` `(B, T, V)`, `labels` `(B, T)` -> scalar."""
+        labels = labels.to(logits.device)
+        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                reduction="sum", label_smoothing=self.config.label_smoothing)
+        if num_items_in_batch is None:
+            num_items_in_batch = labels.ne(-100).sum()
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+
+__all__ = [
+    "VaswaniForConditionalGeneration",
+    "VaswaniModel",
+    "VaswaniPreTrainedModel",
+    "sinusoidal_table",
+]
