@@ -12,6 +12,13 @@ from transformers import PretrainedConfig
 
 _ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
 _POSITIONS = ("sinusoidal", "learned")
+# Written into every saved config.json: with the two code files saved beside it, a folder loads through these Auto
+# classes with `trust_remote_code=True` where this package is not installed.
+AUTO_MAP = {
+    "AutoConfig": "configuration_vaswani.VaswaniConfig",
+    "AutoModel": "modeling_vaswani.VaswaniModel",
+    "AutoModelForSeq2SeqLM": "modeling_vaswani.VaswaniForConditionalGeneration",
+}
 
 
 class VaswaniConfig(PretrainedConfig):
@@ -129,6 +136,7 @@ class VaswaniConfig(PretrainedConfig):
         self.layer_norm_eps = layer_norm_eps
         self.use_cache = use_cache
         kwargs.setdefault("is_encoder_decoder", True)
+        kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
