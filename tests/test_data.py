@@ -1,0 +1,384 @@
+"""Tests for vaswani_hf.data: loading parallel data with clear errors, tokenization, token-budget batching.
+
+Uses only the shipped copy under training/data/multi30k and tmp files (no network, never ../shared).
+"""
+
+import gzip
+import hashlib
+import logging
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vaswani_hf.data import (
+    DataError,
+    TokenBudgetBatchSampler,
+    example_lengths,
+    load_multi30k,
+    load_parallel_dataset,
+    multi30k_dir,
+    multi30k_file,
+    padding_fraction,
+    read_lines,
+    read_parallel_jsonl,
+    read_parallel_text,
+    tokenize_dataset,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+M30K = REPO / "training" / "data" / "multi30k"
+
+
+def write(path: Path, data, gz=False):
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    path.write_bytes(gzip.compress(data, mtime=0) if gz else data)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- shipped data
+
+
+def test_shipped_data_matches_readme_sha256():
+    readme = (M30K / "README.md").read_text(encoding="utf-8")
+    entries = re.findall(r"^\s+([0-9a-f]{64})  (\S+)$", readme, flags=re.M)
+    assert len(entries) == 12
+    for digest, name in entries:
+        data = gzip.decompress((M30K / f"{name}.gz").read_bytes())
+        assert hashlib.sha256(data).hexdigest() == digest, name
+    assert "W16-3210" in readme and "non-commercial" in readme
+
+
+def test_multi30k_dir_is_shipped_copy():
+    assert multi30k_dir() == M30K
+    assert multi30k_file("test", "en", tokenized_lowercased=True) == M30K / "tok" / "test_2016_flickr.lc.norm.tok.en.gz"
+
+
+def test_multi30k_dir_env_override_missing(monkeypatch, tmp_path):
+    monkeypatch.setenv("VASWANI_MULTI30K_DIR", str(tmp_path / "nope"))
+    with pytest.raises(DataError, match="VASWANI_MULTI30K_DIR"):
+        multi30k_dir()
+
+
+def test_load_multi30k_default_de_en():
+    dsd = load_multi30k()
+    assert {k: len(v) for k, v in dsd.items()} == {"train": 29000, "validation": 1014, "test": 1000}
+    ex = dsd["train"][0]["translation"]
+    assert ex == {
+        "de": "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
+        "en": "Two young, White males are outside near many bushes.",
+    }
+    assert dsd["test"][999]["translation"]["en"] == read_lines(multi30k_file("test", "en"))[-1]
+
+
+def test_load_multi30k_bad_language():
+    with pytest.raises(DataError, match="'de' and 'en'"):
+        load_multi30k("fr", "en")
+
+
+# ----------------------------------------------------------------------------------------------- text files
+
+
+def test_parallel_text_plain_and_gz(tmp_path):
+    write(tmp_path / "p.de", "a b\nc\n")
+    write(tmp_path / "p.en.gz", "x y\nz", gz=True)  # no final newline: still 2 lines
+    pt = read_parallel_text(tmp_path / "p", "de", "en")
+    assert pt.source == ["a b", "c"] and pt.target == ["x y", "z"] and pt.skipped == 0
+    ds = load_parallel_dataset(tmp_path / "p", "en", "de")  # reversed direction
+    assert ds[1]["translation"] == {"en": "z", "de": "c"}
+
+
+def test_mismatched_line_counts_names_both_files_and_counts(tmp_path):
+    write(tmp_path / "p.de", "1\n2\n3\n")
+    write(tmp_path / "p.en", "1\n2\n")
+    with pytest.raises(DataError) as e:
+        read_parallel_text(tmp_path / "p", "de", "en")
+    msg = str(e.value)
+    assert str(tmp_path / "p.de") in msg and str(tmp_path / "p.en") in msg
+    assert "3 lines" in msg and "2 lines" in msg
+
+
+def test_unknown_language_lists_present_codes(tmp_path):
+    write(tmp_path / "p.de", "a\n")
+    write(tmp_path / "p.en.gz", "b\n", gz=True)
+    with pytest.raises(DataError, match=r"'fr'.*present for this prefix: de, en"):
+        read_parallel_text(tmp_path / "p", "fr", "en")
+
+
+def test_missing_prefix(tmp_path):
+    with pytest.raises(DataError, match="no file .* exists at all"):
+        load_parallel_dataset(tmp_path / "nothing", "de", "en")
+
+
+def test_empty_file(tmp_path):
+    write(tmp_path / "p.de", "")
+    write(tmp_path / "p.en", "a\n")
+    with pytest.raises(DataError, match=r"p\.de: file is empty"):
+        read_parallel_text(tmp_path / "p", "de", "en")
+
+
+def test_non_utf8_names_file_and_line(tmp_path):
+    write(tmp_path / "p.de", "eins\nzwei\n".encode() + "drei Bäume\n".encode("latin-1"))
+    write(tmp_path / "p.en", "one\ntwo\nthree\n")
+    with pytest.raises(DataError) as e:
+        read_parallel_text(tmp_path / "p", "de", "en")
+    assert f"{tmp_path / 'p.de'}:3:" in str(e.value) and "UTF-8" in str(e.value)
+
+
+def test_bad_gzip(tmp_path):
+    write(tmp_path / "p.de.gz", "not gzip\n")
+    with pytest.raises(DataError, match="cannot read"):
+        read_lines(tmp_path / "p.de.gz")
+
+
+def test_plain_and_gz_both_present_is_ambiguous(tmp_path):
+    write(tmp_path / "p.de", "a\n")
+    write(tmp_path / "p.de.gz", "a\n", gz=True)
+    write(tmp_path / "p.en", "b\n")
+    with pytest.raises(DataError, match="remove one"):
+        read_parallel_text(tmp_path / "p", "de", "en")
+
+
+def test_empty_lines_skip_counts_and_logs(tmp_path, caplog):
+    write(tmp_path / "p.de", "a\n\nc\nd\n  \n")
+    write(tmp_path / "p.en", "A\nB\n\nD\nE\n")
+    with caplog.at_level(logging.WARNING, logger="vaswani_hf.data"):
+        pt = read_parallel_text(tmp_path / "p", "de", "en", empty_lines="skip")
+    assert pt.source == ["a", "d"] and pt.target == ["A", "D"] and pt.skipped == 3
+    assert "skipped 3 of 5" in caplog.text
+
+
+def test_empty_lines_error_names_file_and_line(tmp_path):
+    write(tmp_path / "p.de", "a\nb\nc\n")
+    write(tmp_path / "p.en", "A\nB\n\n")
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'p.en'}:3: empty sentence")):
+        read_parallel_text(tmp_path / "p", "de", "en", empty_lines="error")
+    with pytest.raises(DataError, match="empty_lines="):
+        read_parallel_text(tmp_path / "p", "de", "en", empty_lines="drop")
+
+
+def test_unicode_line_separator_does_not_split(tmp_path):
+    write(tmp_path / "p.de", "a\u2028b\nc\r\n")
+    write(tmp_path / "p.en", "x\ny\n")
+    pt = read_parallel_text(tmp_path / "p", "de", "en")
+    assert pt.source == ["a\u2028b", "c"]
+
+
+# ----------------------------------------------------------------------------------------------- JSON lines
+
+
+def test_jsonl_and_mixed_splits(tmp_path):
+    write(tmp_path / "t.jsonl", '{"translation": {"de": "a", "en": "A", "fr": "x"}}\n\n{"translation": {"de": "b", "en": "B"}}\n')
+    write(tmp_path / "v.de", "c\n")
+    write(tmp_path / "v.en", "C\n")
+    dsd = load_parallel_dataset({"train": tmp_path / "t.jsonl", "validation": tmp_path / "v"}, "de", "en")
+    assert [r["translation"] for r in dsd["train"]] == [{"de": "a", "en": "A"}, {"de": "b", "en": "B"}]
+    assert dsd["validation"][0]["translation"] == {"de": "c", "en": "C"}
+
+
+def test_jsonl_errors(tmp_path):
+    p = write(tmp_path / "t.jsonl.gz", '{"translation": {"de": "a", "en": "A"}}\n{"translation": {"de": "b", "cs": "B"}}\n', gz=True)
+    with pytest.raises(DataError, match=r"t\.jsonl\.gz:2: language 'en' .* codes present: cs, de"):
+        read_parallel_jsonl(p, "de", "en")
+    p = write(tmp_path / "bad.jsonl", '{"translation": {"de": "a", "en": "A"}}\n{"translation": \n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: invalid JSON"):
+        read_parallel_jsonl(p, "de", "en")
+    p = write(tmp_path / "nt.jsonl", '{"de": "a", "en": "A"}\n')
+    with pytest.raises(DataError, match=r"nt\.jsonl:1: expected an object with a 'translation'"):
+        read_parallel_jsonl(p, "de", "en")
+    p = write(tmp_path / "e.jsonl", '{"translation": {"de": "a", "en": "A"}}\n\n{"translation": {"de": "", "en": "B"}}\n')
+    with pytest.raises(DataError, match=r"e\.jsonl:3 \(translation\['de'\]\): empty sentence"):
+        read_parallel_jsonl(p, "de", "en", empty_lines="error")
+    assert read_parallel_jsonl(p, "de", "en").skipped == 1
+
+
+def test_sources_xor_hub():
+    with pytest.raises(DataError, match="exactly one"):
+        load_parallel_dataset(None)
+
+
+# ----------------------------------------------------------------------------------------------- tokenization
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for w in "a b c d e f A B C D".split():
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 2)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def test_tokenize_dataset_and_lengths(tmp_path, tiny_tokenizer):
+    write(tmp_path / "p.de", "a b c\nd e f a b c d\nq\n")
+    write(tmp_path / "p.en", "A B\nC\nD D D D D D D D\n")
+    dsd = load_parallel_dataset({"train": tmp_path / "p"}, "de", "en")
+    tok = tokenize_dataset(dsd, tiny_tokenizer, "de", "en", max_length=5)
+    tr = tok["train"]
+    assert tr.column_names == ["input_ids", "attention_mask", "labels"]
+    assert tr[0]["input_ids"] == [4, 5, 6, 2] and tr[0]["labels"] == [10, 11, 2]
+    assert tr[2]["input_ids"] == [3, 2]  # unknown word -> <unk>
+    assert len(tr[1]["input_ids"]) == 5 and len(tr[2]["labels"]) == 5  # truncated to max_length
+    src, tgt = example_lengths(tr)
+    assert src.tolist() == [4, 5, 2] and tgt.tolist() == [3, 2, 5]
+    tok2 = tokenize_dataset(dsd["train"], tiny_tokenizer, "de", "en", max_length=None, keep_translation=True)
+    assert len(tok2[1]["input_ids"]) == 8 and "translation" in tok2.column_names
+    with pytest.raises(DataError, match="codes present: de, en"):
+        tokenize_dataset(dsd, tiny_tokenizer, "de", "fr")
+    with pytest.raises(DataError, match="tokenize first"):
+        example_lengths(dsd["train"])
+
+
+# ----------------------------------------------------------------------------------------------- sampler
+
+
+@pytest.fixture(scope="module")
+def m30k_lengths():
+    """Approximate subword lengths of Multi30k train: whitespace words x 1.3, + 1 for </s>."""
+    de = read_lines(multi30k_file("train", "de"))
+    en = read_lines(multi30k_file("train", "en"))
+    src = np.array([round(len(s.split()) * 1.3) + 1 for s in de])
+    tgt = np.array([round(len(s.split()) * 1.3) + 1 for s in en])
+    return src, tgt
+
+
+def test_sampler_full_multi30k_covers_once_low_padding(m30k_lengths):
+    src, tgt = m30k_lengths
+    s = TokenBudgetBatchSampler(src, tgt, max_tokens=4096, seed=3)
+    batches = list(s)
+    assert len(batches) == len(s)
+    flat = [i for b in batches for i in b]
+    assert len(flat) == 29000 and sorted(flat) == list(range(29000))
+    budget = [max(max(src[i], tgt[i]) for i in b) * len(b) for b in batches]
+    assert max(budget) <= 4096
+    assert np.mean(budget) > 0.9 * 4096  # batches are actually full
+    pf = padding_fraction(batches, src, tgt)
+    assert 0 < pf < 0.10
+
+
+def test_sampler_deterministic_and_epoch_dependent(m30k_lengths):
+    src, tgt = m30k_lengths
+    a = TokenBudgetBatchSampler(src, tgt, max_tokens=2048, seed=7)
+    b = TokenBudgetBatchSampler(src, tgt, max_tokens=2048, seed=7)
+    e0 = list(a)
+    assert e0 == list(b) == list(a)  # same seed+epoch -> same batches, and iterating twice is stable
+    a.set_epoch(1)
+    e1 = list(a)
+    assert e1 != e0 and len(e1) == len(e0)
+    assert sorted(i for x in e1 for i in x) == list(range(29000))
+    # contents change too (tie-break), not just the order of batches
+    assert {tuple(sorted(x)) for x in e1} != {tuple(sorted(x)) for x in e0}
+    c = TokenBudgetBatchSampler(src, tgt, max_tokens=2048, seed=8)
+    assert list(c) != e0
+
+
+def test_sampler_no_shuffle_is_length_sorted(m30k_lengths):
+    src, tgt = m30k_lengths
+    s = TokenBudgetBatchSampler(src, tgt, max_tokens=1024, shuffle=False)
+    batches = list(s)
+    firsts = [src[b[0]] for b in batches]
+    assert firsts == sorted(firsts)
+    s.set_epoch(5)
+    assert list(s) == batches
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_sampler_distributed_split_covers_all(m30k_lengths, replicas):
+    src, tgt = m30k_lengths
+    samplers = [TokenBudgetBatchSampler(src, tgt, 4096, seed=1, num_replicas=replicas, rank=r) for r in range(replicas)]
+    for s in samplers:
+        s.set_epoch(2)
+    per_rank = [list(s) for s in samplers]
+    assert len({len(p) for p in per_rank}) == 1 and len(per_rank[0]) == len(samplers[0])
+    counts = Counter(i for p in per_rank for b in p for i in b)
+    assert set(counts) == set(range(29000))  # nothing dropped
+    n_global = len(samplers[0].global_batches(2))
+    n_pad = replicas * len(samplers[0]) - n_global
+    assert 0 <= n_pad < replicas
+    extra = sum(counts.values()) - 29000
+    pad_sizes = sum(len(b) for b in samplers[0].global_batches(2)[:n_pad])
+    assert extra == pad_sizes  # duplicates only from the padding batches
+    # ranks get disjoint batches apart from padding
+    assert all(c <= 2 for c in counts.values())
+
+
+def test_sampler_oversize_error_and_skip():
+    src = [3, 10, 4, 2]
+    tgt = [3, 2, 12, 2]
+    with pytest.raises(DataError) as e:
+        TokenBudgetBatchSampler(src, tgt, max_tokens=8)
+    assert "2 example(s) longer than max_tokens=8" in str(e.value) and "#2 (12 tokens)" in str(e.value)
+    assert "at least 12" in str(e.value)
+    s = TokenBudgetBatchSampler(src, tgt, max_tokens=8, skip_oversize=True)
+    assert s.num_skipped == 2 and sorted(i for b in s for i in b) == [0, 3]
+
+
+def test_sampler_max_sentences_and_validation():
+    s = TokenBudgetBatchSampler([1] * 10, None, max_tokens=100, max_sentences=3, shuffle=False)
+    assert [len(b) for b in s] == [3, 3, 3, 1]
+    with pytest.raises(DataError, match="10 entries but tgt_lengths has 9"):
+        TokenBudgetBatchSampler([1] * 10, [1] * 9)
+    with pytest.raises(DataError, match="max_tokens must be a positive int"):
+        TokenBudgetBatchSampler([1], max_tokens=0)
+    with pytest.raises(DataError, match="rank must be in"):
+        TokenBudgetBatchSampler([1], num_replicas=2, rank=2)
+    with pytest.raises(DataError, match=r"src_lengths\[1\] = -1"):
+        TokenBudgetBatchSampler([1, -1])
+
+
+def test_sampler_with_dataloader(tiny_tokenizer, tmp_path):
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorForSeq2Seq
+
+    write(tmp_path / "p.de", "a b c\nd e\na\nb c d e f\n")
+    write(tmp_path / "p.en", "A\nB C\nD\nA B C D\n")
+    tok = tokenize_dataset(load_parallel_dataset(tmp_path / "p"), tiny_tokenizer, "de", "en")
+    src, tgt = example_lengths(tok)
+    sampler = TokenBudgetBatchSampler(src, tgt, max_tokens=8, seed=0)
+    dl = DataLoader(tok, batch_sampler=sampler, collate_fn=DataCollatorForSeq2Seq(tiny_tokenizer))
+    seen = 0
+    for batch in dl:
+        assert batch["input_ids"].numel() <= 8 and batch["labels"].shape[0] == batch["input_ids"].shape[0]
+        seen += batch["input_ids"].shape[0]
+    assert seen == 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=200),
+    max_tokens=st.integers(30, 300),
+    replicas=st.integers(1, 4),
+    seed=st.integers(0, 2**31),
+)
+def test_sampler_property(lengths, max_tokens, replicas, seed):
+    src = [a for a, _ in lengths]
+    tgt = [b for _, b in lengths]
+    seen = Counter()
+    for r in range(replicas):
+        s = TokenBudgetBatchSampler(src, tgt, max_tokens, seed=seed, num_replicas=replicas, rank=r)
+        batches = list(s)
+        assert len(batches) == len(s)
+        for b in batches:
+            assert b and max(max(src[i], tgt[i], 1) for i in b) * len(b) <= max_tokens
+            seen.update(b)
+    assert set(seen) == set(range(len(lengths)))
+    if replicas == 1:
+        assert all(c == 1 for c in seen.values())
+
+
+def test_padding_fraction_by_hand():
+    # batch [0,1]: src 2,4 -> slots 8, real 6; tgt 1,3 -> slots 6, real 4. batch [2]: src 5 / tgt 5, no pad.
+    assert padding_fraction([[0, 1], [2]], [2, 4, 5], [1, 3, 5]) == pytest.approx(1 - 20 / 24)
+    assert padding_fraction([[0, 1], [2]], [2, 4, 5]) == pytest.approx(1 - 11 / 13)
