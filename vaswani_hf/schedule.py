@@ -1,0 +1,185 @@
+"""Optimizer and learning-rate schedule of "Attention Is All You Need" §5.3.
+
+Paper, Eq. 3::
+
+    lrate = d_model^-0.5 * min(step_num^-0.5, step_num * warmup_steps^-1.5)
+
+with Adam(beta1=0.9, beta2=0.98, eps=1e-9) and warmup_steps = 4000. ``factor`` scales the whole curve
+(1.0 in the paper; tensor2tensor and "The Annotated Transformer" use 2.0 / 1.0 variants).
+
+Convention used here — the schedule gives **absolute** learning rates, whatever ``lr`` the optimizer was
+created with: :func:`get_inverse_sqrt_schedule` builds a ``LambdaLR`` whose per-group multiplier is
+``lrate / base_lr`` of that group, so the effective lr is exactly Eq. 3 for every param group. The base lr only
+has to be a positive number; it cannot silently rescale the curve.
+
+Step counting: the paper's ``step_num`` starts at 1 (the first parameter update). ``LambdaLR`` calls its
+lambda with the number of completed ``scheduler.step()`` calls (0 before the first update), so update number
+``n`` (1-based) uses ``lrate(n)``. Call ``optimizer.step(); scheduler.step()`` once per update (what the HF
+Trainer and the usual accelerate loops do). Note this differs from ``transformers.get_inverse_sqrt_schedule``
+(a multiplier on the base lr, with a different warmup shape).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+__all__ = [
+    "paper_learning_rate",
+    "InverseSqrtLambda",
+    "inverse_sqrt_lambda",
+    "get_inverse_sqrt_schedule",
+    "paper_adam",
+    "paper_optimizer_and_schedule",
+    "PAPER_BETAS",
+    "PAPER_EPS",
+    "PAPER_WARMUP_STEPS",
+]
+
+PAPER_BETAS = (0.9, 0.98)
+PAPER_EPS = 1e-9
+PAPER_WARMUP_STEPS = 4000
+
+
+def _check_positive_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}.")
+    return v
+
+
+def _check_positive_float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {v!r}.")
+    return float(v)
+
+
+def paper_learning_rate(step: int, d_model: int, warmup_steps: int = PAPER_WARMUP_STEPS, factor: float = 1.0) -> float:
+    """Eq. 3 (§5.3): ``factor * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``.
+
+    Args:
+        step: 1-based update number (``step_num`` in the paper), >= 1.
+        d_model: model width (512 base, 1024 big).
+        warmup_steps: linear-warmup length (paper: 4000). The peak is at ``step == warmup_steps`` with value
+            ``factor * d_model^-0.5 * warmup_steps^-0.5`` (6.99e-4 for the base model).
+        factor: multiplies the whole curve (paper: 1.0).
+
+    Returns:
+        The absolute learning rate (a float).
+
+    Raises:
+        ValueError: step < 1 or a non-positive argument.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step is the 1-based update number (paper's step_num) and must be an int >= 1, got {step!r}.")
+    _check_positive_int("d_model", d_model)
+    _check_positive_int("warmup_steps", warmup_steps)
+    factor = _check_positive_float("factor", factor)
+    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
+
+
+class InverseSqrtLambda:
+    """Picklable ``LambdaLR`` lambda: ``f(completed_steps) = paper_learning_rate(completed_steps + 1) / base_lr``.
+
+    A class (not a closure) so that ``LambdaLR.state_dict()`` saves its parameters with checkpoints.
+    """
+
+    def __init__(self, d_model: int, warmup_steps: int, factor: float = 1.0, base_lr: float = 1.0):
+        self.d_model = _check_positive_int("d_model", d_model)
+        self.warmup_steps = _check_positive_int("warmup_steps", warmup_steps)
+        self.factor = _check_positive_float("factor", factor)
+        self.base_lr = _check_positive_float("base_lr", base_lr)
+
+    def __call__(self, completed_steps: int) -> float:
+        return paper_learning_rate(int(completed_steps) + 1, self.d_model, self.warmup_steps, self.factor) / self.base_lr
+
+    def __repr__(self) -> str:
+        return (f"InverseSqrtLambda(d_model={self.d_model}, warmup_steps={self.warmup_steps}, "
+                f"factor={self.factor}, base_lr={self.base_lr})")
+
+
+def inverse_sqrt_lambda(d_model: int, warmup_steps: int = PAPER_WARMUP_STEPS, factor: float = 1.0,
+                        base_lr: float = 1.0) -> InverseSqrtLambda:
+    """The ``lr_lambda`` for ``torch.optim.lr_scheduler.LambdaLR`` (§5.3, Eq. 3).
+
+    Takes the number of completed scheduler steps ``k`` (0-based, LambdaLR's convention) and returns
+    ``paper_learning_rate(k + 1, ...) / base_lr``: the multiplier that turns an optimizer lr of ``base_lr``
+    into the paper's absolute lr for update ``k + 1``. With the default ``base_lr=1.0`` the value *is* the
+    learning rate. Prefer :func:`get_inverse_sqrt_schedule`, which reads ``base_lr`` from the optimizer.
+
+    Raises:
+        ValueError: a non-positive argument.
+    """
+    return InverseSqrtLambda(d_model, warmup_steps, factor, base_lr)
+
+
+def get_inverse_sqrt_schedule(
+    optimizer: torch.optim.Optimizer,
+    d_model: int,
+    warmup_steps: int = PAPER_WARMUP_STEPS,
+    factor: float = 1.0,
+    last_epoch: int = -1,
+) -> LambdaLR:
+    """``LambdaLR`` that sets every param group's lr to the paper's absolute value (§5.3, Eq. 3).
+
+    Works with any positive base lr: each group's multiplier is ``lrate / base_lr`` of that group (its
+    ``initial_lr`` when resuming, else its ``lr``), so the lr seen by the optimizer is exactly Eq. 3 —
+    ``factor * d_model^-0.5 * min(n^-0.5, n * warmup_steps^-1.5)`` for update ``n = 1, 2, ...``. Right after
+    construction ``optimizer.param_groups[i]["lr"]`` already holds the value for update 1.
+
+    Args:
+        optimizer: e.g. from :func:`paper_adam`.
+        d_model, warmup_steps, factor: as in :func:`paper_learning_rate`.
+        last_epoch: passed to ``LambdaLR`` (for resuming; normally use ``scheduler.load_state_dict``).
+
+    Raises:
+        ValueError: a param group with lr <= 0 (nothing to rescale), or a non-positive argument.
+    """
+    lambdas = []
+    for i, group in enumerate(optimizer.param_groups):
+        base = group.get("initial_lr", group["lr"])
+        if isinstance(base, torch.Tensor):
+            base = float(base)
+        if not (isinstance(base, (int, float)) and math.isfinite(base) and base > 0):
+            raise ValueError(
+                f"optimizer.param_groups[{i}] has lr={base!r}; create the optimizer with any positive lr "
+                f"(e.g. 1.0): get_inverse_sqrt_schedule replaces it with the paper's absolute value."
+            )
+        lambdas.append(InverseSqrtLambda(d_model, warmup_steps, factor, float(base)))
+    return LambdaLR(optimizer, lambdas, last_epoch=last_epoch)
+
+
+def paper_adam(
+    params: Iterable[Any],
+    *,
+    lr: float,
+    betas: tuple[float, float] = PAPER_BETAS,
+    eps: float = PAPER_EPS,
+    weight_decay: float = 0.0,
+    **kwargs: Any,
+) -> torch.optim.Adam:
+    """``torch.optim.Adam`` with the paper's hyper-parameters (§5.3): betas=(0.9, 0.98), eps=1e-9, no weight decay.
+
+    ``lr`` is required (keyword-only) so that an optimizer used without the schedule never runs at a
+    placeholder lr by accident. With :func:`get_inverse_sqrt_schedule` any positive value works (pass 1.0);
+    or use :func:`paper_optimizer_and_schedule`.
+    """
+    _check_positive_float("lr", lr)
+    return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+
+
+def paper_optimizer_and_schedule(
+    params: Iterable[Any],
+    d_model: int,
+    warmup_steps: int = PAPER_WARMUP_STEPS,
+    factor: float = 1.0,
+    **adam_kwargs: Any,
+) -> tuple[torch.optim.Adam, LambdaLR]:
+    """``(paper_adam(params, lr=1.0), get_inverse_sqrt_schedule(...))`` — the §5.3 setup in one call, e.g. for
+    ``Seq2SeqTrainer(optimizers=...)`` or an accelerate loop."""
+    adam_kwargs.setdefault("lr", 1.0)
+    opt = paper_adam(params, **adam_kwargs)
+    return opt, get_inverse_sqrt_schedule(opt, d_model, warmup_steps, factor)
