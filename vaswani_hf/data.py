@@ -413,8 +413,9 @@ MULTI30K_ENV = "VASWANI_MULTI30K_DIR"
 
 def multi30k_dir() -> Path:
     """Directory of the shipped Multi30k copy: ``$VASWANI_MULTI30K_DIR`` if set, else
-    ``<repo>/training/data/multi30k`` (resolved relative to this file, so it works from any working directory
-    in a source checkout or editable install).
+    ``training/data/multi30k`` next to the ``vaswani_hf`` package (resolved relative to this file, so it works
+    from any working directory: in a source checkout / editable install it is the repository's copy; in a
+    wheel install, the ``training`` package's data files installed beside ``vaswani_hf``).
 
     Raises:
         DataError: the directory does not exist (e.g. a wheel install without the repository); the message says
@@ -424,8 +425,8 @@ def multi30k_dir() -> Path:
     d = Path(env) if env else Path(__file__).resolve().parent.parent / "training" / "data" / "multi30k"
     if not d.is_dir():
         raise DataError(
-            f"Multi30k directory {d} not found. The data ships in the repository under training/data/multi30k "
-            f"(not inside the installed package): run from a source checkout / editable install, or set "
+            f"Multi30k directory {d} not found. The data ships in the repository under training/data/multi30k: "
+            f"run from a source checkout / editable install, or set "
             f"{MULTI30K_ENV}=/path/to/training/data/multi30k, or pass explicit file prefixes to "
             f"load_parallel_dataset()."
         )
