@@ -382,3 +382,17 @@ def test_padding_fraction_by_hand():
     # batch [0,1]: src 2,4 -> slots 8, real 6; tgt 1,3 -> slots 6, real 4. batch [2]: src 5 / tgt 5, no pad.
     assert padding_fraction([[0, 1], [2]], [2, 4, 5], [1, 3, 5]) == pytest.approx(1 - 20 / 24)
     assert padding_fraction([[0, 1], [2]], [2, 4, 5]) == pytest.approx(1 - 11 / 13)
+
+
+def test_hub_path_with_packaged_json_builder(tmp_path):
+    """The `hub_dataset` branch, exercised offline through datasets' packaged "json" builder."""
+    p = write(tmp_path / "d.jsonl", '{"translation": {"de": "a", "en": "A"}}\n{"translation": {"de": " ", "en": "B"}}\n')
+    dsd = load_parallel_dataset(hub_dataset="json", hub_kwargs={"data_files": {"train": str(p)},
+                                                                "cache_dir": str(tmp_path / "cache")})
+    assert len(dsd["train"]) == 1 and dsd["train"][0]["translation"] == {"de": "a", "en": "A"}
+    with pytest.raises(DataError, match=r"split 'train' row 1 \(de\): empty sentence"):
+        load_parallel_dataset(hub_dataset="json", empty_lines="error",
+                              hub_kwargs={"data_files": {"train": str(p)}, "cache_dir": str(tmp_path / "cache")})
+    with pytest.raises(DataError, match="codes present: de, en"):
+        load_parallel_dataset(hub_dataset="json", source_lang="fr",
+                              hub_kwargs={"data_files": {"train": str(p)}, "cache_dir": str(tmp_path / "cache")})
