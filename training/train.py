@@ -1,0 +1,270 @@
+"""Train the Transformer with the paper's recipe on Seq2SeqTrainer, score BLEU, translate samples.
+
+    python training/train.py                       # the default run: Multi30k De->En, CPU preset, < 30 min
+    python training/train.py --preset base --bf16  # the paper's base model on a GPU
+    accelerate launch training/train.py --preset base --bf16   # the same on N GPUs / nodes
+
+Every Seq2SeqTrainingArguments flag works (--output_dir, --max_steps, --gradient_accumulation_steps, --save_steps,
+--resume_from_checkpoint, --push_to_hub, --report_to, ...), plus the flags of `training/common.py`.
+
+The recipe (§5.3-5.4): Adam(0.9, 0.98, 1e-9); lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
+label smoothing 0.1 (in the model's loss, exact under gradient accumulation); dropout 0.1; token-budget batches.
+Validation BLEU during training through `predict_with_generate` (beam 4, length penalty 0.6); at the end the test
+set is translated and scored (sacreBLEU and lowercased tokenized BLEU) and `<output_dir>/metrics.json` is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `training` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import (
+    DataCollatorForSeq2Seq,
+    HfArgumentParser,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    TrainerCallback,
+    set_seed,
+)
+
+from training.common import (
+    DataArguments,
+    ModelArguments,
+    RecipeArguments,
+    evaluate_test_set,
+    get_tokenizer,
+    load_raw_datasets,
+    parse_overrides,
+    resolve_preset,
+    select,
+    setup_logging,
+    token_budget_sampler,
+    write_json_atomic,
+    write_lines_atomic,
+)
+from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani_hf.data import tokenize_dataset
+from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
+
+logger = logging.getLogger("vaswani_hf.train")
+
+# Defaults of the Trainer flags for this script; anything given on the command line wins.
+TRAINER_DEFAULTS = {
+    "output_dir": "outputs/multi30k-de-en",
+    "per_device_eval_batch_size": 64,
+    "predict_with_generate": True,
+    "eval_strategy": "steps",
+    "eval_steps": 500,
+    "save_strategy": "steps",
+    "save_steps": 200,
+    "save_total_limit": 5,
+    "logging_steps": 25,
+    "logging_first_step": True,
+    "report_to": "none",
+    "dataloader_num_workers": 0,
+    "seed": 1,
+    "weight_decay": 0.0,
+    "max_grad_norm": 0.0,
+}
+
+
+class PaperTrainer(Seq2SeqTrainer):
+    """Seq2SeqTrainer with the paper's optimizer and schedule (§5.3) and token-budget training batches (§5.1)."""
+
+    def __init__(self, *args, max_tokens: int, d_model: int, warmup: int, lr_factor: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_tokens, self.d_model, self.warmup, self.lr_factor = max_tokens, d_model, warmup, lr_factor
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            params = [p for p in (model or self.model).parameters() if p.requires_grad]
+            self.optimizer = paper_adam(params, lr=1.0)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            self.lr_scheduler = get_inverse_sqrt_schedule(optimizer or self.optimizer, self.d_model, self.warmup,
+                                                          self.lr_factor)
+        return self.lr_scheduler
+
+    def get_train_dataloader(self) -> DataLoader:
+        sampler = token_budget_sampler(self.train_dataset, self.max_tokens, shuffle=True, seed=self.args.seed)
+        loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.data_collator,
+                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        return self.accelerator.prepare(loader)
+
+
+class TimeLimit(TrainerCallback):
+    """Stops training (after a checkpoint) once `minutes` have passed, and on SIGINT/SIGTERM."""
+
+    def __init__(self, minutes: float | None):
+        self.deadline = time.monotonic() + minutes * 60 if minutes else None
+        self.interrupted = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        def stop(signum, frame):
+            logger.warning("Signal %d received: saving a checkpoint and stopping after this step.", signum)
+            self.interrupted = True
+
+        if hasattr(signal, "SIGTERM"):
+            signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.interrupted or (self.deadline and time.monotonic() > self.deadline):
+            if not self.interrupted:
+                logger.info("Time limit reached at step %d: saving and stopping.", state.global_step)
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+def build_parser() -> HfArgumentParser:
+    parser = HfArgumentParser((ModelArguments, DataArguments, RecipeArguments, Seq2SeqTrainingArguments))
+    parser.set_defaults(**TRAINER_DEFAULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    setup_logging()
+    parser = build_parser()
+    model_args, data_args, recipe, training_args = parser.parse_args_into_dataclasses(args=argv)
+    preset = resolve_preset(model_args)
+    given = set(a.split("=")[0].lstrip("-") for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--"))
+    if "max_steps" not in given and "num_train_epochs" not in given:
+        training_args.max_steps = preset["max_steps"]
+    if "warmup_steps" not in given:
+        training_args.warmup_steps = preset["warmup_steps"]
+    max_tokens = data_args.max_tokens or preset["max_tokens"]
+    lr_factor = recipe.lr_factor or preset["lr_factor"]
+    set_seed(training_args.seed)
+
+    # Data -> joint BPE -> token ids.
+    raw = load_raw_datasets(data_args)
+    is_multi30k = not (data_args.train_file or data_args.dataset_name)
+    raw["train"] = select(raw["train"], data_args.max_train_samples)
+    tokenizer = get_tokenizer(model_args, raw["train"], data_args, model_args.vocab_size or preset["vocab_size"])
+    tokenized = tokenize_dataset(raw, tokenizer, data_args.source_lang, data_args.target_lang,
+                                 max_length=data_args.max_source_length,
+                                 max_target_length=data_args.max_target_length, keep_translation=False)
+
+    # Model: the preset (the paper's base/big, or the CPU size), any field overridable.
+    if model_args.model_name_or_path:
+        model = VaswaniForConditionalGeneration.from_pretrained(model_args.model_name_or_path)
+    else:
+        overrides = {**preset["model"], **parse_overrides(model_args.config_overrides)}
+        config = VaswaniConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                               decoder_start_token_id=tokenizer.bos_token_id, **overrides)
+        model = VaswaniForConditionalGeneration(config)
+    if len(tokenizer) != model.config.vocab_size:
+        raise ValueError(f"The tokenizer has {len(tokenizer)} entries but the model's vocabulary has "
+                         f"{model.config.vocab_size}; pass the tokenizer saved with the model (--tokenizer_name).")
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("Model: %s parameters, d_model=%d, %d+%d layers, %d heads, d_ff=%d", f"{n_params:,}",
+                model.config.d_model, model.config.encoder_layers, model.config.decoder_layers,
+                model.config.num_heads, model.config.d_ff)
+
+    eval_dataset = select(tokenized["validation"], data_args.max_eval_samples) if "validation" in tokenized else None
+    if eval_dataset is None:
+        training_args.eval_strategy = "no"
+    training_args.generation_num_beams = training_args.generation_num_beams or model.generation_config.num_beams
+    training_args.generation_max_length = training_args.generation_max_length or (data_args.max_target_length + 50)
+
+    from vaswani_hf.bleu import load_bleu_metric
+
+    bleu = load_bleu_metric()
+
+    def compute_metrics(prediction):
+        preds = prediction.predictions
+        labels = prediction.label_ids
+        preds = [[t for t in row if 0 <= t < len(tokenizer)] for row in preds]
+        labels = [[t for t in row if t != -100] for row in labels]
+        hyps = [s.strip() for s in tokenizer.batch_decode(preds, skip_special_tokens=True)]
+        refs = [[s.strip()] for s in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+        return {"bleu": round(bleu.compute(predictions=hyps, references=refs)["score"], 2)}
+
+    time_limit = TimeLimit(recipe.max_train_minutes)
+    trainer = PaperTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=tokenized["train"],
+        eval_dataset=eval_dataset,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+        callbacks=[time_limit],
+        max_tokens=max_tokens,
+        d_model=model.config.d_model,
+        warmup=training_args.warmup_steps,
+        lr_factor=lr_factor,
+    )
+
+    start = time.perf_counter()
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    train_seconds = time.perf_counter() - start
+    output_dir = Path(training_args.output_dir)
+    if recipe.average_last and trainer.is_world_process_zero():
+        from vaswani_hf.averaging import average_last_checkpoints
+
+        trainer.save_model()  # the final step as a checkpoint-free copy first
+        average_last_checkpoints(output_dir, recipe.average_last, save_to=output_dir)
+        trainer.model.load_state_dict(
+            VaswaniForConditionalGeneration.from_pretrained(output_dir).state_dict(), strict=True)
+        logger.info("Averaged the last %d checkpoints into %s", recipe.average_last, output_dir)
+    else:
+        trainer.save_model()
+    tokenizer.save_pretrained(output_dir)
+
+    metrics: dict = {k: v for k, v in train_result.metrics.items()}
+    state = trainer.state
+    train_tokens = sum(log.get("num_tokens", 0) for log in state.log_history[-1:])
+    metrics.update({
+        "preset": model_args.preset,
+        "parameters": n_params,
+        "train_steps": state.global_step,
+        "train_minutes": round(train_seconds / 60, 2),
+        "max_tokens": max_tokens,
+        "device": str(trainer.args.device),
+        "torch_threads": torch.get_num_threads(),
+        "averaged_checkpoints": recipe.average_last,
+    })
+    if train_tokens:
+        metrics["train_tokens"] = train_tokens
+
+    # Test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways.
+    if "test" in raw and trainer.is_world_process_zero():
+        test = select(raw["test"], data_args.max_test_samples)
+        result = evaluate_test_set(trainer.model, tokenizer, test, data_args,
+                                   batch_size=training_args.per_device_eval_batch_size,
+                                   num_beams=training_args.generation_num_beams,
+                                   is_multi30k=is_multi30k)
+        metrics.update(result["metrics"])
+        write_lines_atomic(output_dir / "test_translations.txt", result["hypotheses"])
+        print("\nSample translations (test set):")
+        for src, hyp, ref in list(zip(result["sources"], result["hypotheses"], result["references"]))[
+                : recipe.num_samples]:
+            print(f"  source:    {src}\n  output:    {hyp}\n  reference: {ref}\n")
+    if trainer.is_world_process_zero():
+        write_json_atomic(output_dir / "metrics.json", metrics)
+        print(f"Test BLEU (sacreBLEU, detokenized): {metrics.get('test_bleu')}   "
+              f"{metrics.get('test_bleu_signature', '')}")
+        if "test_tok_bleu" in metrics:
+            print(f"Test BLEU (lowercased, tokenized, as Multi30k papers report): {metrics['test_tok_bleu']}")
+        print(f"Model, tokenizer and metrics.json written to {output_dir}")
+    if training_args.push_to_hub and trainer.is_world_process_zero():
+        trainer.push_to_hub()
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Translating lists of sentences with a trained model: length-sorted batches through `generate()`, output in input
+order. Used by the training scripts' evaluation and by the `vaswani-translate` command."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def translate_sentences(
+    model,
+    tokenizer,
+    sentences: Sequence[str],
+    *,
+    batch_size: int = 64,
+    num_beams: int | None = None,
+    length_penalty: float | None = None,
+    max_new_tokens: int | None = None,
+    max_source_length: int | None = None,
+    generate_fn: Callable | None = None,
+    progress: Callable | None = None,
+    **generate_kwargs,
+) -> list[str]:
+    """Translate `sentences`; returns one detokenized string per input, in input order.
+
+    Sentences are sorted by length and cut into batches of `batch_size`, so that little padding is computed; a
+    padded batch gives the same translations as one sentence at a time.
+
+    Args:
+        model: a `VaswaniForConditionalGeneration` (or any seq2seq LM); it is put in eval mode.
+        tokenizer: its tokenizer.
+        batch_size: sentences per `generate()` call (default 64).
+        num_beams, length_penalty: default to the model's generation config (beam 4, 0.6 for paper models).
+        max_new_tokens: cap on output length; default: source length + 50 (§6.1).
+        max_source_length: truncate sources to this many tokens (default: no truncation).
+        generate_fn: `fn(model, input_ids=..., attention_mask=..., **kwargs) -> ids` to use instead of
+            `model.generate` (e.g. the paper's GNMT-penalty decoding in `vaswani_hf.decoding`).
+        progress: optional callable taking the number of sentences just finished (e.g. a tqdm `update`).
+    Raises:
+        ValueError: an empty list, a non-string item, or `batch_size` / `num_beams` < 1.
+    """
+    if isinstance(sentences, str):
+        raise ValueError("translate_sentences: pass a list of sentences, not a single string.")
+    sentences = list(sentences)
+    if not sentences:
+        raise ValueError("translate_sentences: the input list is empty; there is nothing to translate.")
+    for i, s in enumerate(sentences):
+        if not isinstance(s, str):
+            raise ValueError(f"translate_sentences: item {i} is {type(s).__name__}, not str.")
+    if batch_size < 1:
+        raise ValueError(f"translate_sentences: batch_size must be >= 1, got {batch_size}.")
+    if num_beams is not None and num_beams < 1:
+        raise ValueError(f"translate_sentences: num_beams must be >= 1, got {num_beams}.")
+    model.eval()
+    device = next(model.parameters()).device
+    encoded = tokenizer(sentences, truncation=max_source_length is not None, max_length=max_source_length)["input_ids"]
+    order = sorted(range(len(sentences)), key=lambda i: len(encoded[i]))
+    outputs: list[str | None] = [None] * len(sentences)
+    if num_beams is not None:
+        generate_kwargs["num_beams"] = num_beams
+    if length_penalty is not None:
+        generate_kwargs["length_penalty"] = length_penalty
+    generate = generate_fn or (lambda m, **kw: m.generate(**kw))
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            index = order[start:start + batch_size]
+            batch = tokenizer.pad({"input_ids": [encoded[i] for i in index]}, return_tensors="pt")
+            batch = {k: v.to(device) for k, v in batch.items()}
+            new_tokens = max_new_tokens if max_new_tokens is not None else batch["input_ids"].shape[1] + 50
+            # max_length counts the decoder start token too.
+            ids = generate(model, **batch, max_length=new_tokens + 1, **generate_kwargs)
+            texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+            for i, text in zip(index, texts):
+                outputs[i] = text.strip()
+            if progress is not None:
+                progress(len(index))
+    return outputs  # type: ignore[return-value]
+
+
+__all__ = ["translate_sentences"]
