@@ -1,0 +1,129 @@
+"""Checkpoint averaging (§6.1): exact parameter-wise means, last N by step number, tied weights, clear refusals."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from safetensors.torch import load_file
+
+from training.average_checkpoints import main as average_main
+from vaswani_hf import VaswaniForConditionalGeneration
+from vaswani_hf.averaging import average_checkpoints, average_last_checkpoints, find_checkpoints
+
+STEPS = (200, 900, 1000, 10000)  # a plain string sort would put 10000 before 200 and 900
+
+
+def _save(model, folder):
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def run_dir(tmp_path, tiny_tokenizer):
+    """A Trainer-like output_dir: four checkpoints of differently seeded tiny models, the newest with a tokenizer,
+    optimizer state and trainer_state.json beside the model."""
+    run = tmp_path / "run"
+    for seed, step in enumerate(STEPS):
+        folder = _save(make_tiny_model(seed=seed), run / f"checkpoint-{step}")
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        (folder / "optimizer.pt").write_bytes(b"not a tensor file")
+    tiny_tokenizer.save_pretrained(run / "checkpoint-10000")
+    (run / "runs").mkdir()  # tensorboard logs and other folders are not checkpoints
+    return run
+
+
+def _weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_checkpoints_are_ordered_by_step(run_dir):
+    assert [p.name for p in find_checkpoints(run_dir)] == [f"checkpoint-{s}" for s in STEPS]
+
+
+def test_average_is_the_exact_parameter_wise_mean(run_dir):
+    folders = [run_dir / f"checkpoint-{s}" for s in STEPS[1:]]
+    states = [_weights(f) for f in folders]
+    averaged = average_checkpoints(folders)
+    assert set(averaged) == set(states[0])
+    for name, tensor in averaged.items():
+        expected = (states[0][name].double() + states[1][name].double() + states[2][name].double()) / 3
+        assert tensor.dtype == states[0][name].dtype
+        assert torch.allclose(tensor.double(), expected, rtol=0, atol=1e-7), name
+    # The models differ (different seeds), so the mean differs from each of them.
+    assert not torch.equal(averaged["model.shared.weight"], states[2]["model.shared.weight"])
+
+
+def test_hand_computed_values(tmp_path):
+    folders = []
+    for i, value in enumerate((1.0, 2.0, 6.0)):
+        model = make_tiny_model(seed=0)
+        with torch.no_grad():
+            model.model.encoder.layers[0].fc1.bias.fill_(value)
+            model.model.shared.weight[5, 0] = -value
+        folders.append(_save(model, tmp_path / f"checkpoint-{i}"))
+    averaged = average_checkpoints(folders)
+    assert torch.equal(averaged["model.encoder.layers.0.fc1.bias"], torch.full((37,), 3.0))
+    assert averaged["model.shared.weight"][5, 0].item() == -3.0
+
+
+def test_last_n_written_as_a_model_folder_with_tied_weights(run_dir, tmp_path):
+    out = tmp_path / "averaged"
+    used = average_last_checkpoints(run_dir, 3, out)
+    assert [p.name for p in used] == ["checkpoint-900", "checkpoint-1000", "checkpoint-10000"]
+    files = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+            "averaged_from.json"} <= files
+    assert not files & {"optimizer.pt", "trainer_state.json"}
+    assert not [name for name in files if name.endswith(".tmp")]
+    assert json.loads((out / "averaged_from.json").read_text())["averaged_checkpoints"] == [str(p) for p in used]
+
+    loaded = VaswaniForConditionalGeneration.from_pretrained(out)
+    expected = average_checkpoints(used)["model.shared.weight"]
+    assert torch.equal(loaded.model.shared.weight, expected)
+    # §3.4: one matrix for both embeddings and the pre-softmax projection, still shared after loading.
+    shared = loaded.model.shared.weight
+    for tied in (loaded.lm_head.weight, loaded.model.encoder.embed_tokens.weight,
+                 loaded.model.decoder.embed_tokens.weight):
+        assert tied.data_ptr() == shared.data_ptr()
+
+
+def test_refuses_checkpoints_of_different_models(tmp_path):
+    a = _save(make_tiny_model(seed=0), tmp_path / "checkpoint-1")
+    b = _save(make_tiny_model(seed=0, d_ff=41), tmp_path / "checkpoint-2")
+    with pytest.raises(ValueError) as error:
+        average_checkpoints([a, b])
+    message = str(error.value)
+    assert str(a) in message and str(b) in message and "d_ff" in message and "37 vs 41" in message
+
+
+def test_too_few_checkpoints(run_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"last 5 checkpoints.*only 4.*save_total_limit >= 5"):
+        average_last_checkpoints(run_dir, 5, tmp_path / "out")
+    with pytest.raises(ValueError, match="positive integer"):
+        average_last_checkpoints(run_dir, 0, tmp_path / "out")
+
+
+def test_reads_safetensors_only(tmp_path):
+    folder = tmp_path / "checkpoint-1"
+    _save(make_tiny_model(), folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 a pickle would run code")
+    with pytest.raises(FileNotFoundError, match="safetensors only.*pytorch_model.bin"):
+        average_checkpoints([folder, folder])
+
+
+def test_refuses_to_overwrite_a_source(run_dir):
+    with pytest.raises(ValueError, match="one of the checkpoints"):
+        average_last_checkpoints(run_dir, 2, run_dir / "checkpoint-10000")
+
+
+def test_command(run_dir, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert average_main(["--checkpoint_dir", str(run_dir), "--last", "2", "--output_dir", str(out)]) == 0
+    assert "checkpoint-1000" in capsys.readouterr().out
+    expected = average_checkpoints([run_dir / "checkpoint-1000", run_dir / "checkpoint-10000"])
+    written = _weights(out)
+    assert all(torch.equal(written[k], expected[k]) for k in expected)
+    with pytest.raises(SystemExit, match="only 4"):
+        average_main(["--checkpoint_dir", str(run_dir), "--num_checkpoints", "9", "--output_dir", str(out)])

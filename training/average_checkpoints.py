@@ -1,0 +1,53 @@
+"""Average the last N checkpoints of a training run into one model, as the paper does (§6.1: the last 5 checkpoints
+for base models, the last 20 for big ones), like fairseq's `scripts/average_checkpoints.py`.
+
+    vaswani-average --checkpoint_dir outputs/multi30k-de-en --last 5 --output_dir outputs/multi30k-de-en/averaged
+    vaswani-average --checkpoints run/checkpoint-9000 run/checkpoint-10000 --output_dir run/averaged
+
+`checkpoint-<step>` folders are ordered by step number. The output folder is a normal model folder (weights,
+config, generation config, tokenizer) that `AutoModelForSeq2SeqLM.from_pretrained` and `vaswani-translate` load.
+Weights are read with safetensors only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint_dir", help="A Trainer output_dir holding checkpoint-<step> folders.")
+    which.add_argument("--checkpoints", nargs="+", help="Explicit checkpoint folders to average.")
+    parser.add_argument("--num_checkpoints", "--last", dest="num_checkpoints", type=int, default=5,
+                        help="With --checkpoint_dir: average the newest N checkpoints (default 5, the paper's base "
+                             "models; 20 for big).")
+    parser.add_argument("--output_dir", required=True, help="Folder to write the averaged model to.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from vaswani_hf.averaging import average_checkpoints, average_last_checkpoints, save_averaged_model
+
+    try:
+        if args.checkpoint_dir is not None:
+            used = average_last_checkpoints(args.checkpoint_dir, args.num_checkpoints, args.output_dir)
+        else:
+            used = [Path(p) for p in args.checkpoints]
+            save_averaged_model(average_checkpoints(used), used[-1], args.output_dir, sources=used)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"Averaged {len(used)} checkpoint(s) into {args.output_dir}:")
+    for path in used:
+        print(f"  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
