@@ -140,6 +140,13 @@ def eager_attention_forward(
     return output, probs
 
 
+class VaswaniInputProjection(nn.Linear):
+    """A fused query/key/value input projection of `VaswaniAttention` (`qkv_proj`, `q_proj`, `kv_proj`): an
+    `nn.Linear` whose `(n * D, D)` weight stacks n separate `(D, D)` matrices W^Q, W^K, W^V (§3.2.2). Its own type
+    lets `_init_weights` initialize each block as fairseq does (a parameter-less parent module is never visited by
+    transformers' initialization of custom-code models)."""
+
+
 class VaswaniAttention(nn.Module):
     """Multi-head attention (§3.2.2): MultiHead(Q, K, V) = Concat(head_1..head_h) W^O.
 
@@ -163,10 +170,10 @@ class VaswaniAttention(nn.Module):
         self.is_causal = is_causal
         self.layer_idx = layer_idx
         if is_cross_attention:
-            self.q_proj = nn.Linear(self.d_model, self.d_model)
-            self.kv_proj = nn.Linear(self.d_model, 2 * self.d_model)
+            self.q_proj = VaswaniInputProjection(self.d_model, self.d_model)
+            self.kv_proj = VaswaniInputProjection(self.d_model, 2 * self.d_model)
         else:
-            self.qkv_proj = nn.Linear(self.d_model, 3 * self.d_model)
+            self.qkv_proj = VaswaniInputProjection(self.d_model, 3 * self.d_model)
         self.out_proj = nn.Linear(self.d_model, self.d_model)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,10 +218,10 @@ class VaswaniAttention(nn.Module):
                     cache = cache.self_attention_cache
                 key, value = cache.update(key, value, self.layer_idx)  # (B, H, P + T, Dh)
 
-        implementation = self.config._attn_implementation or "eager"
+        # Attention probabilities exist only in the eager reference, so `output_attentions` always runs it.
         attention: Callable = eager_attention_forward
-        if implementation != "eager" and not output_attentions:
-            attention = ALL_ATTENTION_FUNCTIONS[implementation]
+        if not output_attentions:
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         output, probs = attention(
             self,
             query,
@@ -336,21 +343,28 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["VaswaniEncoderLayer", "VaswaniDecoderLayer"]
     _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
+    # Our masks are additive (B, 1, T_q, T_k) tensors, the format of eager and sdpa. Flash attention wants 2D padding
+    # masks (and transformers' flash path unpads encoder-decoder queries with the key mask), flex attention a
+    # BlockMask; neither is verified here, so transformers refuses them with a clear error instead of computing
+    # wrong attention.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
     _can_compile_fullgraph = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Xavier-uniform linears with zero bias, embeddings N(0, d_model^-0.5) with a zero padding row, unit
-        LayerNorms, and the sinusoidal table (a buffer that v5's meta-device loading leaves empty)."""
+        """Xavier-uniform linears with zero bias, embeddings (and an untied `lm_head`) N(0, d_model^-0.5) with a zero
+        padding row, unit LayerNorms, and the sinusoidal table (a buffer that v5's meta-device loading leaves empty)."""
         d_model = self.config.d_model
-        if isinstance(module, VaswaniAttention):
-            # Runs after the module's own linears (children first). fairseq initializes q, k and v as separate
-            # (D, D) matrices, xavier-uniform with gain 1/sqrt(2): uniform(+-sqrt(6 / 4D)) for every block.
+        if isinstance(module, VaswaniInputProjection):
+            # fairseq initializes q, k and v as separate (D, D) matrices, xavier-uniform with gain 1/sqrt(2):
+            # uniform(+-sqrt(6 / 4D)) for every block, whichever of them a fused projection stacks.
             bound = math.sqrt(6.0 / (4 * d_model))
-            for linear in ([module.q_proj, module.kv_proj] if module.is_cross_attention else [module.qkv_proj]):
-                init.uniform_(linear.weight, -bound, bound)
+            init.uniform_(module.weight, -bound, bound)
+            init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear) and module is getattr(self, "lm_head", None):
+            # An untied output projection is initialized like the embedding it would otherwise share (fairseq).
+            init.normal_(module.weight, mean=0.0, std=d_model**-0.5)
         elif isinstance(module, nn.Linear):
             init.xavier_uniform_(module.weight)
             if module.bias is not None:
@@ -689,6 +703,29 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             pad_token_id=config.pad_token_id,
             decoder_start_token_id=config.decoder_start_token_id,
         )
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, then positions after each sequence's first `</s>` set to `pad_token_id`.
+
+        transformers' beam search fills finished hypotheses with `pad_token_id or eos_token_id`, which picks
+        `</s>` when the pad id is 0, as here (huggingface/transformers PR #47286): a beam-search row ended
+        `[1, 2, 2, 2, ...]` where greedy search ends `[1, 2, 0, 0, ...]`. This makes every decoding method pad
+        with `<pad>`. Returns what `generate` returns (a `(B * num_return_sequences, L)` tensor or a
+        `GenerateOutput` whose `sequences` are fixed the same way).
+        """
+        outputs = super().generate(*args, **kwargs)
+        sequences = outputs if torch.is_tensor(outputs) else getattr(outputs, "sequences", None)
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
+        pad = kwargs.get("pad_token_id", generation_config.pad_token_id)
+        if sequences is None or sequences.ndim != 2 or eos is None or pad is None:
+            return outputs
+        eos = torch.as_tensor(eos, device=sequences.device).flatten()
+        # Column 0 is the decoder start token; `after` is True strictly after the first generated </s>.
+        is_eos = torch.isin(sequences[:, 1:], eos)
+        after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
+        sequences[:, 1:].masked_fill_(after, int(pad))
+        return outputs
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()

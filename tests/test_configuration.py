@@ -1,0 +1,226 @@
+"""VaswaniConfig: the paper's defaults (Table 3), presets, overrides, options, validation, generation defaults."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_config, make_tiny_model
+from transformers import AutoConfig, GenerationConfig
+
+from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
+
+PAPER_BASE = dict(
+    vocab_size=37000,
+    target_vocab_size=None,
+    d_model=512,
+    encoder_layers=6,
+    decoder_layers=6,
+    num_heads=8,
+    d_ff=2048,
+    dropout=0.1,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    activation_function="relu",
+    normalize_before=False,
+    position_embedding_type="sinusoidal",
+    share_encoder_decoder_embeddings=True,
+    tie_word_embeddings=True,
+    scale_embedding=True,
+    label_smoothing=0.1,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    decoder_start_token_id=1,
+    is_encoder_decoder=True,
+)
+
+# A valid non-default value for every field.
+OVERRIDES = dict(
+    vocab_size=1234,
+    target_vocab_size=777,
+    d_model=96,
+    encoder_layers=3,
+    decoder_layers=5,
+    num_heads=12,
+    d_ff=100,
+    dropout=0.25,
+    attention_dropout=0.05,
+    activation_dropout=0.15,
+    activation_function="gelu",
+    normalize_before=True,
+    position_embedding_type="learned",
+    max_position_embeddings=77,
+    share_encoder_decoder_embeddings=False,
+    tie_word_embeddings=False,
+    scale_embedding=False,
+    label_smoothing=0.0,
+    layer_norm_eps=1e-6,
+    use_cache=False,
+    pad_token_id=3,
+    bos_token_id=5,
+    eos_token_id=6,
+    decoder_start_token_id=7,
+)
+
+
+def test_defaults_are_the_paper_base_model():
+    config = VaswaniConfig()
+    for name, value in PAPER_BASE.items():
+        assert getattr(config, name) == value, name
+    assert config.decoder_vocab_size == 37000
+    assert config.d_model // config.num_heads == 64  # d_k = d_v = 64 (§3.2.2)
+    # transformers' generic names map onto ours
+    assert (config.hidden_size, config.num_attention_heads, config.intermediate_size) == (512, 8, 2048)
+
+
+def test_base_preset_equals_defaults_and_big_preset_is_table_3():
+    assert VaswaniConfig.base().to_dict() == VaswaniConfig().to_dict()
+    big = VaswaniConfig.big()
+    assert (big.d_model, big.num_heads, big.d_ff, big.dropout) == (1024, 16, 4096, 0.3)
+    assert (big.encoder_layers, big.decoder_layers, big.vocab_size, big.activation_function) == (6, 6, 37000, "relu")
+    assert big.d_model // big.num_heads == 64
+    # presets take overrides, e.g. the EN-FR big model's P_drop = 0.1 (§6.1)
+    assert VaswaniConfig.big(dropout=0.1).dropout == 0.1
+    assert VaswaniConfig.big(dropout=0.1).d_model == 1024
+    assert VaswaniConfig.base(vocab_size=8000).vocab_size == 8000
+
+
+def test_every_field_is_overridable_and_survives_save_and_load(tmp_path):
+    config = VaswaniConfig(**OVERRIDES)
+    for name, value in OVERRIDES.items():
+        assert getattr(config, name) == value, name
+    config.save_pretrained(tmp_path)
+    reloaded = VaswaniConfig.from_pretrained(tmp_path)
+    for name, value in OVERRIDES.items():
+        assert getattr(reloaded, name) == value, name
+    assert reloaded.decoder_vocab_size == 777
+    via_auto = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(via_auto, VaswaniConfig) and via_auto.d_ff == 100
+
+
+def test_saved_config_carries_auto_map(tmp_path):
+    VaswaniConfig().save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "vaswani"
+    assert saved["auto_map"] == {
+        "AutoConfig": "configuration_vaswani.VaswaniConfig",
+        "AutoModel": "modeling_vaswani.VaswaniModel",
+        "AutoModelForSeq2SeqLM": "modeling_vaswani.VaswaniForConditionalGeneration",
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(d_model=30, num_heads=4), r"d_model \(30\) must be divisible by num_heads \(4\)"),
+        (dict(d_model=0), "d_model must be a positive integer"),
+        (dict(vocab_size=-5), "vocab_size must be a positive integer"),
+        (dict(encoder_layers=0), "encoder_layers must be a positive integer"),
+        (dict(decoder_layers=0), "decoder_layers must be a positive integer"),
+        (dict(num_heads=0), "num_heads must be a positive integer"),
+        (dict(d_ff=-1), "d_ff must be a positive integer"),
+        (dict(d_ff=2.5), "d_ff must be a positive integer"),
+        (dict(max_position_embeddings=0), "max_position_embeddings must be a positive integer"),
+        (dict(target_vocab_size=0, share_encoder_decoder_embeddings=False), "target_vocab_size must be a positive"),
+        (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
+        (dict(dropout=-0.1), r"dropout must be in \[0, 1\)"),
+        (dict(attention_dropout=1.5), r"attention_dropout must be in \[0, 1\)"),
+        (dict(activation_dropout=-0.01), r"activation_dropout must be in \[0, 1\)"),
+        (dict(label_smoothing=1.0), r"label_smoothing must be in \[0, 1\)"),
+        (dict(target_vocab_size=50), "share_encoder_decoder_embeddings=True needs one vocabulary"),
+        (dict(activation_function="mish"), "unknown activation_function 'mish'"),
+        (dict(position_embedding_type="rotary"), "unknown position_embedding_type 'rotary'"),
+    ],
+)
+def test_invalid_configs_raise_clear_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_tiny_config(**overrides)
+
+
+def test_divisibility_error_suggests_a_valid_head_count():
+    # 30 = 2 * 3 * 5: the largest head count <= 4 that divides it is 3
+    with pytest.raises(ValueError, match=r"choose e\.g\. num_heads=3\."):
+        VaswaniConfig(d_model=30, num_heads=4)
+    assert VaswaniConfig(d_model=30, num_heads=3).d_model == 30
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_separate_vocabularies(tie):
+    model = make_tiny_model(target_vocab_size=57, share_encoder_decoder_embeddings=False, tie_word_embeddings=tie)
+    inner = model.model
+    assert inner.encoder.embed_tokens.weight.shape == (99, 32)
+    assert inner.decoder.embed_tokens.weight.shape == (57, 32)
+    assert inner.encoder.embed_tokens.weight is not inner.decoder.embed_tokens.weight
+    assert (model.lm_head.weight is inner.decoder.embed_tokens.weight) == tie
+    out = model(input_ids=torch.randint(3, 99, (2, 6)), labels=torch.randint(3, 57, (2, 4)))
+    assert out.logits.shape == (2, 4, 57)
+    assert torch.isfinite(out.loss)
+    with pytest.raises(ValueError, match="outside this model's vocabulary of 57"):
+        model(input_ids=torch.randint(3, 99, (2, 6)), decoder_input_ids=torch.full((2, 3), 80))
+
+
+def test_sharing_off_with_one_vocabulary_keeps_two_matrices():
+    model = make_tiny_model(share_encoder_decoder_embeddings=False)  # two-way sharing: decoder input and lm_head
+    inner = model.model
+    assert inner.encoder.embed_tokens.weight is not inner.decoder.embed_tokens.weight
+    assert model.lm_head.weight is inner.decoder.embed_tokens.weight
+    names = {name for name, _ in model.named_parameters()}
+    assert "model.encoder.embed_tokens.weight" in names and "model.decoder.embed_tokens.weight" in names
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(normalize_before=True), dict(position_embedding_type="learned"),
+     dict(attention_dropout=0.3, activation_dropout=0.3), dict(activation_function="gelu")],
+)
+def test_options_build_working_models(overrides):
+    model = make_tiny_model(**overrides)
+    ids = torch.randint(3, 99, (2, 7))
+    out = model(input_ids=ids, labels=ids)
+    assert torch.isfinite(out.loss)
+    if overrides.get("normalize_before"):
+        # pre-LN adds one final LayerNorm per stack
+        assert model.model.encoder.layer_norm is not None and model.model.decoder.layer_norm is not None
+    else:
+        assert model.model.encoder.layer_norm is None
+    if overrides.get("position_embedding_type") == "learned":
+        assert model.model.encoder.embed_positions.weight.requires_grad
+        assert "model.encoder.embed_positions.weight" in dict(model.named_parameters())
+    # dropout options make training forwards stochastic only where they are set
+    if "attention_dropout" in overrides:
+        model.train()
+        torch.manual_seed(0)
+        a = model(input_ids=ids, labels=ids).loss
+        torch.manual_seed(1)
+        b = model(input_ids=ids, labels=ids).loss
+        assert not torch.allclose(a, b)
+
+
+def test_pre_ln_differs_from_post_ln_on_the_same_weights():
+    post = make_tiny_model(seed=3)
+    pre = make_tiny_model(seed=3, normalize_before=True)
+    ids = torch.randint(3, 99, (2, 7))
+    assert not torch.allclose(post(input_ids=ids, decoder_input_ids=ids).logits,
+                              pre(input_ids=ids, decoder_input_ids=ids).logits)
+
+
+def test_generation_defaults_are_the_papers_and_saved_beside_the_model(tmp_path):
+    model = make_tiny_model()
+    generation = model.generation_config
+    assert (generation.num_beams, generation.length_penalty) == (4, 0.6)
+    assert (generation.decoder_start_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 0)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert saved["num_beams"] == 4 and saved["length_penalty"] == 0.6
+    # generation settings are not model-config fields
+    assert "num_beams" not in json.loads((tmp_path / "config.json").read_text())
+    # a user's change to the generation config survives save/load
+    model.generation_config.num_beams = 6
+    model.save_pretrained(tmp_path)
+    assert VaswaniForConditionalGeneration.from_pretrained(tmp_path).generation_config.num_beams == 6
+    assert GenerationConfig.from_pretrained(tmp_path).num_beams == 6
+
+
+def test_base_model_has_no_generation_head():
+    model = VaswaniModel(make_tiny_config())
+    assert not hasattr(model, "lm_head")
