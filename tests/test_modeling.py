@@ -439,6 +439,7 @@ def test_parameter_count_of_the_base_model_is_exact():
 
 def test_parameter_count_of_the_big_model_is_about_213m():
     assert _count(VaswaniConfig.big()) == pytest.approx(213e6, rel=0.01)
+    assert _count(VaswaniConfig.big()) == 214_245_376  # the number VaswaniConfig's docstring gives
 
 
 def test_untied_embeddings_add_their_matrices_to_the_count():
@@ -523,3 +524,26 @@ def test_resize_token_embeddings(new_size, tmp_path):
     reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
     assert reloaded.config.vocab_size == new_size and reloaded.lm_head.weight.shape == (new_size, 32)
     _assert_tied(reloaded)
+
+
+@pytest.mark.parametrize("overrides", [dict(share_encoder_decoder_embeddings=False),
+                                       dict(share_encoder_decoder_embeddings=False, target_vocab_size=57),
+                                       dict(tie_word_embeddings=False)])
+def test_resize_token_embeddings_without_full_sharing(overrides, tmp_path):
+    model = make_tiny_model(**overrides)
+    target_size = overrides.get("target_vocab_size", 99)
+    model.resize_token_embeddings(120, mean_resizing=False)
+    assert model.config.vocab_size == 120
+    assert model.model.encoder.embed_tokens.weight.shape == (120, 32)
+    if overrides.get("share_encoder_decoder_embeddings") is False:
+        # only the source vocabulary changes; the config keeps describing the decoder
+        assert model.config.decoder_vocab_size == target_size
+        assert model.model.decoder.embed_tokens.weight.shape == (target_size, 32)
+        assert model.lm_head.weight is model.model.decoder.embed_tokens.weight
+    else:
+        assert model.lm_head.weight.shape == (120, 32) and model.lm_head.weight is not model.model.shared.weight
+    model.save_pretrained(tmp_path)
+    reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
+    ids, target = torch.tensor([[5, 119, 2]]), torch.tensor([[1, 40]])
+    torch.testing.assert_close(reloaded(input_ids=ids, decoder_input_ids=target).logits,
+                               model(input_ids=ids, decoder_input_ids=target).logits)

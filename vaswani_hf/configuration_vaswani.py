@@ -64,6 +64,16 @@ class VaswaniConfig(PretrainedConfig):
             Special token ids, matching the joint BPE tokenizer of this package (`<pad>`, `<s>`, `</s>`); the decoder
             input starts with `<s>`.
 
+    Parameter count:
+        With the defaults the model has 63,082,496 parameters, counting every shared tensor once: one 37000 x 512
+        embedding matrix (18,944,000; also the decoder input and the pre-softmax projection) + 6 encoder layers x
+        3,152,384 + 6 decoder layers x 4,204,032 (weights and biases of every projection and FFN, LayerNorm gains and
+        biases; the sinusoidal encodings are not parameters). Table 3 reports 65M and does not say how it counted.
+        The 1.9M difference is what 3,745 more vocabulary rows would add (a joint vocabulary of about 40.7k rather
+        than "about 37000"), while unshared embedding and softmax matrices would add 18.9M per matrix, far more, so
+        the paper most likely counted a somewhat larger actual vocabulary. `VaswaniConfig.big()` has 214,245,376
+        (Table 3: 213M).
+
     Raises:
         ValueError: on impossible sizes (non-positive, `d_model` not divisible by `num_heads`), dropout outside
             `[0, 1)`, an unknown activation or position type, or embedding sharing across different vocabularies.

@@ -351,6 +351,17 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _can_compile_fullgraph = False
 
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
+        """transformers' `resize_token_embeddings`: resizes the input embeddings and updates `config.vocab_size`.
+
+        With one shared matrix (the default) that resizes source, target and `lm_head` together (§3.4). With
+        `share_encoder_decoder_embeddings=False` only the source (encoder) vocabulary changes; the target size is
+        then written to `config.target_vocab_size`, so that the saved config still describes the decoder.
+        """
+        if not self.config.share_encoder_decoder_embeddings and self.config.target_vocab_size is None:
+            self.config.target_vocab_size = self.config.decoder_vocab_size
+        return super().resize_token_embeddings(new_num_tokens, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Xavier-uniform linears with zero bias, embeddings (and an untied `lm_head`) N(0, d_model^-0.5) with a zero
