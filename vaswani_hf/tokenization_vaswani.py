@@ -6,10 +6,14 @@ model and loads back with `AutoTokenizer.from_pretrained`, with no code of ours 
 modeling files is remote code).
 
 Design:
-- SentencePiece-style `Metaspace` pre-tokenization (a word starts with "▁"), so decoding restores the spaces of the
-  input exactly;
+- SentencePiece-style spaces: the normalizer turns every space into "▁" and puts one "▁" in front of the text, the
+  `Metaspace` pre-tokenizer splits words before each "▁", and the decoder turns "▁" back into spaces and drops the
+  one it added, so decoding restores the spaces of the input exactly, leading, trailing and repeated ones included;
 - byte fallback: characters the BPE never saw are spelled as UTF-8 byte tokens `<0x00>`..`<0xFF>` instead of
-  `<unk>`, so every string round-trips through `encode`/`decode`;
+  `<unk>`, so `tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == text` for any string, with
+  one exception: the character "▁" (U+2581) itself, which stands for a space and decodes as one;
+- special-token strings written in the text ("<s>", "</s>", ...) are tokenized as text (`split_special_tokens=True`),
+  so they round-trip too and cannot inject control tokens;
 - special tokens `<pad>`=0, `<s>`=1, `</s>`=2, `<unk>`=3 (the ids `VaswaniConfig` expects); sources and targets end in
   `</s>`; the decoder input starts with `<s>` (the model shifts the labels).
 """
@@ -17,7 +21,7 @@ Design:
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -73,7 +77,7 @@ def train_joint_bpe(
         raise ValueError("train_joint_bpe: the training text is empty; pass the files or sentences to learn from.")
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    _pipeline(tokenizer)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(BYTE_TOKENS),
         min_frequency=min_frequency,
@@ -100,8 +104,15 @@ def _merges_of(tokenizer: Tokenizer) -> list[tuple[str, str]]:
     return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
 
 
+def _pipeline(tokenizer: Tokenizer) -> None:
+    """Spaces become "▁" and every text gets one leading "▁" (also one that already starts with a space or "▁",
+    which Metaspace's own prepending would skip, losing a leading space on decode); words split before each "▁"."""
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+
+
 def _wrap(tokenizer: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    _pipeline(tokenizer)
     # As Llama's tokenizer decodes: "▁" back to a space, bytes back to characters, one leading space dropped.
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(" ", 1, 0)])
@@ -119,6 +130,9 @@ def _wrap(tokenizer: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFas
         model_max_length=model_max_length,
         padding_side="right",
         clean_up_tokenization_spaces=False,
+        # "<s>", "</s>", "<pad>" or "<unk>" written in the text are text (e.g. HTML's <s> in web-crawled data), not
+        # special tokens; the special ids come only from the post-processor (the closing </s>) and from padding.
+        split_special_tokens=True,
     )
 
 

@@ -1,0 +1,129 @@
+"""The joint BPE (§5.1): training from files and iterators, special ids, labels, exact decoding, saving with a model."""
+
+import gzip
+
+import pytest
+from conftest import make_tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from vaswani_hf import train_joint_bpe
+from vaswani_hf.tokenization_vaswani import BYTE_TOKENS, SPECIAL_TOKENS
+
+
+def test_special_and_byte_tokens_have_the_ids_the_config_expects(tiny_tokenizer):
+    tok = tiny_tokenizer
+    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    config = make_tiny_model().config
+    assert (config.pad_token_id, config.decoder_start_token_id, config.eos_token_id) == (0, 1, 2)
+    vocab = tok.get_vocab()
+    assert all(byte in vocab for byte in BYTE_TOKENS)
+    assert len(tok) <= 420
+
+
+def test_one_vocabulary_learned_from_both_languages(tiny_tokenizer, parallel_text):
+    vocab = set(tiny_tokenizer.get_vocab())
+    german, english = ({"▁" + word for line in side for word in line.split()} for side in parallel_text)
+    assert len(vocab & (german - english)) >= 3  # whole words only German has
+    assert len(vocab & (english - german)) >= 3  # whole words only English has
+    english_only = train_joint_bpe([parallel_text[1]], vocab_size=420, min_frequency=1)
+    assert not set(english_only.get_vocab()) & (german - english)
+
+
+def test_text_target_gives_labels_ending_in_eos(tiny_tokenizer, parallel_text):
+    german, english = parallel_text
+    batch = tiny_tokenizer(german[:4], text_target=english[:4])
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        assert ids[-1] == 2 and labels[-1] == 2
+        assert 2 not in ids[:-1] and 1 not in ids and 1 not in labels  # <s> is the decoder start, not in labels
+    decoded = tiny_tokenizer.batch_decode(batch["labels"], skip_special_tokens=True)
+    assert decoded == english[:4]
+    padded = tiny_tokenizer(german[:3], padding=True, return_tensors="pt")
+    lengths = padded["attention_mask"].sum(1)
+    assert padded["input_ids"].shape[1] == int(lengths.max())
+    for row, n in enumerate(lengths.tolist()):
+        assert padded["input_ids"][row, n:].eq(0).all()  # right padding with <pad> = 0
+
+
+def test_truncation_keeps_the_closing_eos(parallel_text):
+    tok = train_joint_bpe(parallel_text, vocab_size=400, min_frequency=1, model_max_length=6)
+    ids = tok(parallel_text[0][0], truncation=True)["input_ids"]
+    assert len(ids) == 6 and ids[-1] == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "A man rides his bike through the city.",
+        " leading space",
+        "  two leading spaces",
+        "trailing space ",
+        "inner  double   spaces",
+        "Ünïcödé, 漢字, emoji 😀 and Ω never seen in training",
+        "tab\tand\nnewline",
+        "<s> and </s> and <pad> and <unk> are text here",
+        "<0x41> is not a byte token",
+        "",
+    ],
+)
+def test_decode_restores_the_text(tiny_tokenizer, text):
+    ids = tiny_tokenizer(text)["input_ids"]
+    assert ids[-1] == 2 and ids.count(2) == 1 and 3 not in ids  # byte fallback: never <unk>
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_the_documented_exception_is_the_metaspace_character(tiny_tokenizer):
+    ids = tiny_tokenizer("a▁b")["input_ids"]
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=True) == "a b"  # "▁" stands for a space
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(st.characters(blacklist_characters="▁", blacklist_categories=("Cs",)), max_size=40))
+def test_decode_round_trips_any_text(tiny_tokenizer, text):
+    ids = tiny_tokenizer(text)["input_ids"]
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_trained_from_plain_and_gzipped_files_equals_trained_from_iterators(tmp_path, parallel_text):
+    german, english = parallel_text
+    (tmp_path / "train.de").write_text("\n".join(german) + "\n", encoding="utf-8")
+    with gzip.open(tmp_path / "train.en.gz", "wt", encoding="utf-8") as handle:
+        handle.write("\n".join(english) + "\n")
+    from_files = train_joint_bpe([tmp_path / "train.de", str(tmp_path / "train.en.gz")], vocab_size=400,
+                                 min_frequency=1)
+    from_iterators = train_joint_bpe([iter(german), (s for s in english)], vocab_size=400, min_frequency=1)
+    assert from_files.get_vocab() == from_iterators.get_vocab()
+    assert from_files(english[3])["input_ids"] == from_iterators(english[3])["input_ids"]
+    # files and iterators mix
+    mixed = train_joint_bpe([tmp_path / "train.de", english], vocab_size=400, min_frequency=1)
+    assert mixed.get_vocab() == from_files.get_vocab()
+
+
+def test_saved_with_the_model_and_loaded_by_auto_tokenizer(tmp_path, tiny_tokenizer, parallel_text):
+    model = make_tiny_model(vocab_size=len(tiny_tokenizer))
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    german, english = parallel_text
+    assert loaded(german, text_target=english) == tiny_tokenizer(german, text_target=english)
+    text = " Leading space, 😀 and <s> survive"
+    assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == text
+    assert (loaded.pad_token_id, loaded.eos_token_id, len(loaded)) == (0, 2, len(tiny_tokenizer))
+
+
+@pytest.mark.parametrize(
+    ("sources", "kwargs", "error", "message"),
+    [
+        ([["a b c"]], dict(vocab_size=260), ValueError, "vocab_size must exceed 260"),
+        ([["", "   "]], dict(), ValueError, "training text is empty"),
+        (["/nonexistent/train.de"], dict(), FileNotFoundError, "no such text file"),
+        ([[b"bytes"]], dict(), TypeError, "iterators must yield str, got bytes"),
+    ],
+)
+def test_bad_training_input_raises(sources, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        train_joint_bpe(sources, **kwargs)
