@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoToken
 
 from .configuration_vaswani import VaswaniConfig
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel, VaswaniPreTrainedModel
+from .pipeline import register_translation_pipeline
 from .tokenization_vaswani import train_joint_bpe
 
 __version__ = "0.1.0"
@@ -17,6 +18,8 @@ AutoModel.register(VaswaniConfig, VaswaniModel, exist_ok=True)
 AutoModelForSeq2SeqLM.register(VaswaniConfig, VaswaniForConditionalGeneration, exist_ok=True)
 # The joint BPE is a plain fast tokenizer (tokenizer.json): no tokenizer code of ours is needed to load it.
 AutoTokenizer.register(VaswaniConfig, fast_tokenizer_class=PreTrainedTokenizerFast, exist_ok=True)
+# transformers 5 dropped the "translation" pipeline task; bring it back for seq2seq models.
+register_translation_pipeline()
 
 # Saved folders carry the model code and an `auto_map`, so that they load without this package installed
 # (`trust_remote_code=True`).

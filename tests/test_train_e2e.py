@@ -1,0 +1,105 @@
+"""End to end: train a tiny model for a few steps on a slice of the shipped Multi30k, evaluate, translate, reload."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from training.train import main
+
+    out = tmp_path_factory.mktemp("run")
+    cache = tmp_path_factory.mktemp("cache")
+    args = ["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(cache),
+            "--max_train_samples", "400", "--max_eval_samples", "8", "--max_test_samples", "12",
+            "--max_steps", "8", "--eval_steps", "4", "--save_steps", "4", "--logging_steps", "2",
+            "--per_device_eval_batch_size", "8", "--num_samples", "2"]
+    metrics = main(args)
+    return out, cache, metrics, args
+
+
+def test_run_writes_model_metrics_and_checkpoints(trained):
+    out, cache, metrics, _ = trained
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["train_steps"] == 8 == metrics["train_steps"]
+    assert 0.0 <= saved["test_bleu"] <= 100.0 and saved["test_sentences"] == 12
+    assert "tok:13a" in saved["test_bleu_signature"] and "test_tok_bleu" in saved
+    assert saved["num_beams"] == 4 and saved["length_penalty"] == 0.6
+    assert len((out / "test_translations.txt").read_text(encoding="utf-8").splitlines()) == 12
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
+    assert any("eval_bleu" in log for log in state["log_history"]), "validation BLEU is computed during training"
+    losses = [log["loss"] for log in state["log_history"] if "loss" in log]
+    assert all(l == l and l > 0 for l in losses)
+    # The paper's schedule: lr grows linearly during warmup (tiny preset warmup 10 > 8 steps).
+    lrs = [log["learning_rate"] for log in state["log_history"] if "learning_rate" in log]
+    assert lrs == sorted(lrs) and lrs[0] > 0
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert list(cache.glob("tokenizers/*/tokenizer.json")), "the joint BPE is cached for the next run"
+
+
+def test_output_folder_loads_with_auto_classes_and_pipeline(trained):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+
+    import vaswani_hf  # noqa: F401
+
+    out = trained[0]
+    model = AutoModelForSeq2SeqLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert type(model).__name__ == "VaswaniForConditionalGeneration"
+    assert model.generation_config.num_beams == 4 and model.generation_config.length_penalty == 0.6
+    translator = pipeline("translation", model=model, tokenizer=tokenizer)
+    result = translator("Ein Mann fährt Fahrrad.", max_new_tokens=5)
+    assert isinstance(result[0]["translation_text"], str)
+
+
+def test_translate_command_reads_file_and_writes_aligned_output(trained, tmp_path):
+    from training.translate import main as translate_main
+
+    out = trained[0]
+    src = tmp_path / "in.de"
+    src.write_text("Ein Hund läuft.\n\nZwei Männer spielen Fußball.\n", encoding="utf-8")
+    dst = tmp_path / "out.en"
+    assert translate_main(["--model", str(out), "--input", str(src), "--output", str(dst),
+                           "--num_beams", "2", "--max_new_tokens", "6"]) == 0
+    lines = dst.read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # 3 lines + final newline; the empty one kept
+
+
+def test_second_run_reuses_cached_tokenizer(trained, tmp_path, caplog):
+    from training.train import main
+
+    out, cache, _, args = trained
+    args = list(args)
+    args[args.index("--output_dir") + 1] = str(tmp_path / "again")
+    args[args.index("--max_steps") + 1] = "1"
+    args += ["--eval_strategy", "no", "--max_test_samples", "2"]
+    before = sorted(cache.glob("tokenizers/*"))
+    with caplog.at_level("INFO", logger="vaswani_hf.training"):
+        main(args)
+    assert sorted(cache.glob("tokenizers/*")) == before
+    assert any("Reusing the joint BPE" in r.message for r in caplog.records)
+
+
+def test_bad_preset_and_override_errors_are_clear():
+    from training.common import parse_overrides, resolve_preset, ModelArguments
+
+    with pytest.raises(ValueError, match="unknown; choose one of"):
+        resolve_preset(ModelArguments(preset="huge"))
+    with pytest.raises(ValueError, match="no field 'd_modle'"):
+        parse_overrides("d_modle=3")
+    assert parse_overrides("d_model=64,normalize_before=true,dropout=0.2") == {
+        "d_model": 64, "normalize_before": True, "dropout": 0.2}
+
+
+def test_train_script_help_runs_as_a_script():
+    result = subprocess.run([sys.executable, str(ROOT / "training" / "train.py"), "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--max_tokens" in result.stdout and "--preset" in result.stdout

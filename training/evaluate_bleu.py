@@ -1,0 +1,59 @@
+"""Score a trained model on a test set: detokenized sacreBLEU and, on Multi30k, lowercased tokenized BLEU.
+
+    vaswani-evaluate --model outputs/multi30k-de-en                  # Multi30k test2016, beam 4, lp 0.6
+    vaswani-evaluate --model DIR --test_file data/test --source_lang de --target_lang en --output metrics.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="A saved model folder (with its tokenizer).")
+    parser.add_argument("--test_file", default=None,
+                        help="Parallel files PREFIX.{src,tgt}[.gz] or a .jsonl file (default: Multi30k test2016).")
+    parser.add_argument("--source_lang", default="de")
+    parser.add_argument("--target_lang", default="en")
+    parser.add_argument("--num_beams", type=int, default=4)
+    parser.add_argument("--length_penalty", type=float, default=0.6)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--max_test_samples", type=int, default=None)
+    parser.add_argument("--output", default=None, help="Write the metrics JSON here (default: <model>/test_metrics.json).")
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    import vaswani_hf  # noqa: F401
+    from training.common import DataArguments, evaluate_test_set, select, write_json_atomic
+    from vaswani_hf.data import load_multi30k, load_parallel_dataset
+
+    data_args = DataArguments(source_lang=args.source_lang, target_lang=args.target_lang, test_file=args.test_file)
+    if args.test_file:
+        test = load_parallel_dataset(args.test_file, args.source_lang, args.target_lang)
+    else:
+        test = load_multi30k(args.source_lang, args.target_lang, splits=("test",))["test"]
+    test = select(test, args.max_test_samples)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForSeq2SeqLM.from_pretrained(args.model).to(device)
+    result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=args.batch_size,
+                               num_beams=args.num_beams, length_penalty=args.length_penalty,
+                               is_multi30k=args.test_file is None)
+    output = Path(args.output) if args.output else Path(args.model) / "test_metrics.json"
+    write_json_atomic(output, result["metrics"])
+    for key, value in result["metrics"].items():
+        print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

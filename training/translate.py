@@ -1,0 +1,94 @@
+"""Translate sentences with a trained model, like `fairseq-interactive` / `fairseq-generate`.
+
+    vaswani-translate --model outputs/multi30k-de-en < sentences.de > out.en
+    vaswani-translate --model outputs/multi30k-de-en --input sentences.de --output out.en --num_beams 4
+
+Reads one sentence a line (file or stdin), writes one translation a line (file, written atomically, or stdout).
+Decoding defaults to the paper's (§6.1): beam 4, length penalty 0.6, at most input length + 50 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="A saved model folder (with its tokenizer).")
+    parser.add_argument("--input", default="-", help="Source sentences, one a line; '-' for stdin (default).")
+    parser.add_argument("--output", default="-", help="Where translations go; '-' for stdout (default).")
+    parser.add_argument("--num_beams", type=int, default=None, help="Beam size (default: the model's, 4).")
+    parser.add_argument("--length_penalty", type=float, default=None,
+                        help="Length penalty alpha (default: the model's, 0.6).")
+    parser.add_argument("--length_penalty_style", choices=["hf", "gnmt"], default="hf",
+                        help="hf: transformers' score / |Y|^alpha; gnmt: the paper's ((5+|Y|)/6)^alpha (§6.1).")
+    parser.add_argument("--batch_size", type=int, default=64, help="Sentences per batch (default 64).")
+    parser.add_argument("--max_new_tokens", type=int, default=None,
+                        help="Maximum output length (default: input length + 50).")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available).")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="Allow a Hub-style folder's own model code to run (only for folders you trust).")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
+    from training.common import write_lines_atomic
+    from vaswani_hf.inference import translate_sentences
+
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch_size must be >= 1, got {args.batch_size}.")
+    if args.num_beams is not None and args.num_beams < 1:
+        raise SystemExit(f"--num_beams must be >= 1, got {args.num_beams}.")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise SystemExit(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}.")
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"{model_dir} is not a saved model folder (no config.json); pass the --output_dir of a "
+                         "training run or an exported folder.")
+    if args.input == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        path = Path(args.input)
+        if not path.is_file():
+            raise SystemExit(f"--input {path}: no such file.")
+        lines = path.read_text(encoding="utf-8").splitlines()
+    if not any(line.strip() for line in lines):
+        raise SystemExit("No input sentences: the input is empty.")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code).to(device)
+    generate_fn = None
+    if args.length_penalty_style == "gnmt":
+        from vaswani_hf.decoding import paper_generate
+
+        alpha = args.length_penalty if args.length_penalty is not None else 0.6
+        beams = args.num_beams or 4
+        generate_fn = lambda m, **kw: paper_generate(  # noqa: E731
+            m, kw["input_ids"], kw["attention_mask"], num_beams=beams, alpha=alpha)
+    # Empty lines stay empty lines, so the output aligns with the input line by line.
+    index = [i for i, line in enumerate(lines) if line.strip()]
+    translated = translate_sentences(model, tokenizer, [lines[i] for i in index], batch_size=args.batch_size,
+                                     num_beams=args.num_beams, length_penalty=args.length_penalty,
+                                     max_new_tokens=args.max_new_tokens, generate_fn=generate_fn)
+    out = [""] * len(lines)
+    for i, text in zip(index, translated):
+        out[i] = text
+    if args.output == "-":
+        sys.stdout.write("".join(line + "\n" for line in out))
+    else:
+        write_lines_atomic(args.output, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
