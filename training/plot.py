@@ -1,0 +1,173 @@
+"""Pictures of a model and of its training.
+
+    vaswani-plot attention --model_dir outputs/multi30k-de-en --source "Ein Hund läuft am Strand." \\
+        --target "A dog runs along the beach." --layer 6 --output_dir pictures/
+    vaswani-plot attention --model_dir outputs/multi30k-de-en --source "Ein Hund läuft am Strand." --num_beams 4 \\
+        --output_dir pictures/            # attention behind the model's own translation
+    vaswani-plot curve --trainer_state outputs/multi30k-de-en --output pictures/curve.png
+
+`attention` writes three PNGs for one layer (encoder self-attention, decoder self-attention, encoder-decoder
+attention), each a grid of per-head heatmaps with the subwords on the axes, as in the paper's Figures 3-5.
+`curve` draws the training loss, validation loss, validation BLEU and learning rate against the step from the
+`log_history` of a Trainer's `trainer_state.json` (give the file, a run's output_dir or a checkpoint folder).
+Needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def find_trainer_state(path: str | Path) -> Path:
+    """``path`` itself if it is a file; else ``path/trainer_state.json``; else the newest checkpoint's.
+
+    Raises:
+        FileNotFoundError: none of these exists.
+    """
+    from vaswani_hf.averaging import find_checkpoints
+
+    path = Path(path)
+    if path.is_file():
+        return path
+    if (path / "trainer_state.json").is_file():
+        return path / "trainer_state.json"
+    if path.is_dir():
+        for checkpoint in reversed(find_checkpoints(path)):
+            if (checkpoint / "trainer_state.json").is_file():
+                return checkpoint / "trainer_state.json"
+    raise FileNotFoundError(f"No trainer_state.json at {path} (nor in a checkpoint-<step> folder under it). The "
+                            "Trainer writes one into every checkpoint.")
+
+
+def learning_curve_data(log_history: list[dict], metric: str = "bleu") -> dict[str, list[tuple[int, float]]]:
+    """Series of ``(step, value)`` from a Trainer ``log_history``.
+
+    Returns:
+        ``{"train_loss": ..., "eval_loss": ..., f"eval_{metric}": ..., "learning_rate": ...}``, each sorted by step;
+        series that were never logged are empty. The end-of-training summary (``train_loss`` averaged over the run)
+        is not a point of the curve and is left out.
+    Raises:
+        ValueError: ``log_history`` is not a list of dicts.
+    """
+    if not isinstance(log_history, list) or not all(isinstance(entry, dict) for entry in log_history):
+        raise ValueError("log_history must be a list of dicts (trainer_state.json's 'log_history').")
+    keys = {"train_loss": "loss", "eval_loss": "eval_loss", f"eval_{metric}": f"eval_{metric}",
+            "learning_rate": "learning_rate"}
+    series: dict[str, list[tuple[int, float]]] = {name: [] for name in keys}
+    for entry in log_history:
+        if "step" not in entry:
+            continue
+        for name, key in keys.items():
+            value = entry.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                series[name].append((int(entry["step"]), float(value)))
+    return {name: sorted(points) for name, points in series.items()}
+
+
+def plot_learning_curve(trainer_state: str | Path, output: str | Path, metric: str = "bleu") -> Path:
+    """Draw the learning curve of a run to a PNG: losses, validation ``metric`` and learning rate against the step.
+
+    Raises:
+        FileNotFoundError: no trainer_state.json. ValueError: it has no logged losses or metrics to draw.
+    """
+    from vaswani_hf.visualization import new_figure, save_figure
+
+    state_path = find_trainer_state(trainer_state)
+    state = json.loads(state_path.read_text(encoding="utf-8"))
+    data = learning_curve_data(state.get("log_history", []), metric)
+    score = f"eval_{metric}"
+    panels = [("loss", ["train_loss", "eval_loss"]), (metric.upper() if metric == "bleu" else metric, [score]),
+              ("learning rate", ["learning_rate"])]
+    panels = [(title, [name for name in names if data[name]]) for title, names in panels]
+    panels = [(title, names) for title, names in panels if names]
+    if not panels:
+        raise ValueError(f"{state_path} has no logged losses, {score} or learning rates to draw (log_history is "
+                         "empty: set logging_steps / eval_strategy when training).")
+    figure = new_figure(figsize=(5.0 * len(panels), 3.8), layout="constrained")
+    axes = figure.subplots(1, len(panels), squeeze=False)[0]
+    labels = {"train_loss": "training loss", "eval_loss": "validation loss", score: f"validation {metric}",
+              "learning_rate": "learning rate"}
+    for ax, (title, names) in zip(axes, panels):
+        for name in names:
+            steps, values = zip(*data[name])
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=labels[name])
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if names == ["learning_rate"]:
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        if len(names) > 1:
+            ax.legend()
+    figure.suptitle(f"{state_path.parent.name}: learning curve", fontsize=11)
+    return save_figure(figure, output)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    attention = commands.add_parser("attention", help="Per-head attention heatmaps of one layer for one sentence.")
+    attention.add_argument("--model_dir", required=True, help="A saved model folder with its tokenizer.")
+    attention.add_argument("--source", required=True, help="The source sentence.")
+    attention.add_argument("--target", default=None,
+                           help="A target sentence (teacher-forced). Default: the model's own translation.")
+    attention.add_argument("--layer", type=int, default=None,
+                           help="Layer to draw, 1..N (default N, the last), as the paper numbers them.")
+    attention.add_argument("--num_beams", type=int, default=1,
+                           help="Without --target: 1 translates greedily (default), more uses beam search with the "
+                                "paper's GNMT length penalty.")
+    attention.add_argument("--output_dir", required=True, help="Folder for the three PNGs.")
+    attention.add_argument("--prefix", default="attention", help="File name prefix (default 'attention').")
+
+    curve = commands.add_parser("curve", help="Learning curve from a Trainer's trainer_state.json.")
+    curve.add_argument("--trainer_state", required=True,
+                       help="trainer_state.json, or a run's output_dir / a checkpoint folder holding one.")
+    curve.add_argument("--output", required=True, help="The PNG to write.")
+    curve.add_argument("--metric", default="bleu", help="Validation metric to draw, logged as eval_<metric> "
+                                                        "(default bleu).")
+    return parser
+
+
+def _attention(args) -> list[Path]:
+    from transformers import AutoTokenizer
+
+    from vaswani_hf import VaswaniForConditionalGeneration
+    from vaswani_hf.visualization import attention_maps, plot_all_attention
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
+    if args.num_beams < 1:
+        raise ValueError(f"--num_beams must be >= 1, got {args.num_beams}.")
+    model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    num_layers = min(model.config.encoder_layers, model.config.decoder_layers)
+    layer = num_layers if args.layer is None else args.layer
+    if not 1 <= layer <= num_layers:
+        raise ValueError(f"--layer must be between 1 and {num_layers}, got {layer}.")
+    maps = attention_maps(model, tokenizer, args.source, args.target, layer=layer - 1, num_beams=args.num_beams)
+    return plot_all_attention(maps, args.output_dir, prefix=args.prefix)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "attention":
+            paths = _attention(args)
+        else:
+            paths = [plot_learning_curve(args.trainer_state, args.output, args.metric)]
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        raise SystemExit(f"error: {error}") from None
+    for path in paths:
+        print(f"Wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
