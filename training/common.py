@@ -45,7 +45,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cpu": {
         "model": {"d_model": 256, "encoder_layers": 3, "decoder_layers": 3, "num_heads": 4, "d_ff": 1024},
-        "max_tokens": 4096, "warmup_steps": 400, "lr_factor": 1.0, "max_steps": 1400, "vocab_size": 8000,
+        "max_tokens": 4096, "warmup_steps": 400, "lr_factor": 0.5, "max_steps": 1400, "vocab_size": 8000,
     },
     "tiny": {
         "model": {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "num_heads": 2, "d_ff": 64},
@@ -109,6 +109,19 @@ class RecipeArguments:
     max_train_minutes: float | None = field(default=None, metadata={
         "help": "Stop training after this many minutes (checkpoint saved), then evaluate as usual."})
     num_samples: int = field(default=5, metadata={"help": "Sample translations printed at the end."})
+    cpu_bf16: str = field(default="auto", metadata={
+        "help": "Training on a CPU: auto (bf16 autocast where the CPU computes bf16 natively, AVX512-BF16 or AMX), "
+                "yes, or no (fp32)."})
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU has bf16 instructions (Linux /proc/cpuinfo flags avx512_bf16 or amx_bf16). Elsewhere bf16
+    on the CPU is emulated and slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def parse_overrides(text: str | None) -> dict[str, Any]:

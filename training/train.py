@@ -40,6 +40,7 @@ from training.common import (
     DataArguments,
     ModelArguments,
     RecipeArguments,
+    cpu_has_native_bf16,
     evaluate_test_set,
     get_tokenizer,
     load_raw_datasets,
@@ -144,6 +145,13 @@ def main(argv: list[str] | None = None) -> dict:
         training_args.max_steps = preset["max_steps"]
     if "warmup_steps" not in given:
         training_args.warmup_steps = preset["warmup_steps"]
+    if recipe.cpu_bf16 not in ("auto", "yes", "no"):
+        raise ValueError(f"--cpu_bf16 must be auto, yes or no, got {recipe.cpu_bf16!r}.")
+    if (training_args.device.type == "cpu" and not (training_args.bf16 or training_args.fp16)
+            and (recipe.cpu_bf16 == "yes" or (recipe.cpu_bf16 == "auto" and cpu_has_native_bf16()))):
+        training_args.bf16 = True  # autocast on the CPU: about 2-3x faster training where bf16 is native
+        training_args.mixed_precision = "bf16"  # what Trainer hands to accelerate
+        logger.info("Training in bf16 autocast on the CPU (--cpu_bf16 no for fp32).")
     max_tokens = data_args.max_tokens or preset["max_tokens"]
     lr_factor = recipe.lr_factor or preset["lr_factor"]
     set_seed(training_args.seed)
