@@ -153,8 +153,10 @@ class VaswaniAttention(nn.Module):
     Self-attention projects queries, keys and values with one fused matrix `qkv_proj` (D -> 3D); encoder-decoder
     attention (§3.2.3) projects queries from the decoder with `q_proj` (D -> D) and keys and values from the
     encoder output with one fused `kv_proj` (D -> 2D), which it computes once per `generate()` call and then reads
-    from the cache. The attention kernel is transformers' `attn_implementation` ("eager", "sdpa",
-    "flash_attention_2", ...); `eager_attention_forward` above is the reference.
+    from the cache. The attention kernel comes from transformers' attention interface for
+    `config._attn_implementation`: "sdpa" (default) or "eager" (`eager_attention_forward` above, the reference, which
+    also runs whenever `output_attentions=True`), or any function registered with `AttentionInterface` that takes
+    additive `(B, 1, T_q, T_k)` masks.
     """
 
     def __init__(self, config: VaswaniConfig, is_cross_attention: bool = False, is_causal: bool = False,
