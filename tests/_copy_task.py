@@ -2,10 +2,13 @@
 its outputs are sentences of varied length that end in </s>, not noise (used by the decoding, export and plot tests).
 """
 
+from pathlib import Path
+
 import torch
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration
 
+ROOT_DIR = Path(__file__).resolve().parents[1]
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 24  # ids 4..23 are "words"
 

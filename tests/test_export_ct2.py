@@ -152,3 +152,22 @@ def test_clear_errors(tmp_path, trained):
     with pytest.raises(SystemExit, match="no config.json"):
         export_main(["--model_dir", str(tmp_path), "--output_dir", str(tmp_path / "y")])
     assert not (tmp_path / "x").exists()
+
+
+def test_speed_benchmark_runs_and_agrees(trained):
+    import importlib.util
+
+    from _copy_task import ROOT_DIR
+
+    spec = importlib.util.spec_from_file_location("bench_ct2", ROOT_DIR / "benchmarks" / "bench_ct2.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, _ = trained
+    ids, _ = sources(seed=1, batch=6)
+    inputs = [row[row.ne(PAD)].tolist() for row in ids]
+    results = bench.bench_ct2(model, inputs=inputs, batch_size=4, num_beams=4, repetitions=1, threads=1)
+    assert set(results["sentences_per_second"]) == {"ours", "ct2_float32", "ct2_int8"}
+    assert all(rate > 0 for rate in results["sentences_per_second"].values())
+    assert results["ratio_to_ours"]["ours"] == 1.0
+    assert results["agreement_with_ours"]["ct2_float32"] == 1.0  # same outputs, so the same work is timed
+    assert len(results["runs"]["ct2_int8"]) == 1
