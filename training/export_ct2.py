@@ -1,6 +1,6 @@
 """Export a trained model to CTranslate2 for fast inference (CPU int8, GPU float16).
 
-    vaswani-export --model_dir outputs/multi30k-de-en/averaged --output_dir outputs/ct2 --quantization int8
+    vaswani-export-ct2 --model_dir outputs/multi30k-de-en/averaged --output_dir outputs/ct2 --quantization int8
 
 Then translate with CTranslate2 directly:
 
