@@ -145,8 +145,7 @@ def test_finished_sequences_are_padded_with_pad_not_eos(kwargs):
 
 
 def test_text_in_text_out_with_the_tokenizer(tiny_tokenizer, parallel_text):
-    """What `pipeline("translation")` did before transformers v5 removed it (5.17: unknown task; 5.23: KeyError
-    "The task translation has been removed"): tokenize, generate, decode."""
+    """Tokenize, generate, decode: what the translation pipeline does, by hand."""
     model = make_tiny_model(vocab_size=len(tiny_tokenizer))
     sources = parallel_text[0][:3]
     batch = tiny_tokenizer(sources, padding=True, return_tensors="pt")
@@ -156,3 +155,19 @@ def test_text_in_text_out_with_the_tokenizer(tiny_tokenizer, parallel_text):
     for source, text in zip(sources, texts):
         alone = model.generate(**tiny_tokenizer(source, return_tensors="pt"), max_new_tokens=6)
         assert tiny_tokenizer.decode(alone[0], skip_special_tokens=True) == text
+
+
+def test_translation_pipeline_returns_text(tiny_tokenizer, parallel_text):
+    """`pipeline("translation")` works once vaswani_hf is imported (vaswani_hf.pipeline registers it again)."""
+    from transformers import pipeline
+
+    model = make_tiny_model(vocab_size=len(tiny_tokenizer))
+    translator = pipeline("translation", model=model, tokenizer=tiny_tokenizer)
+    sources = parallel_text[0][:2]
+    results = translator(sources, max_new_tokens=6, num_beams=2)
+    assert len(results) == 2
+    for result, source in zip(results, sources):
+        text = result["translation_text"] if isinstance(result, dict) else result[0]["translation_text"]
+        assert isinstance(text, str) and text
+        expected = model.generate(**tiny_tokenizer(source, return_tensors="pt"), max_new_tokens=6, num_beams=2)
+        assert text == tiny_tokenizer.decode(expected[0], skip_special_tokens=True).strip()
