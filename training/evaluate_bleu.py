@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target_lang", default="en")
     parser.add_argument("--num_beams", type=int, default=4)
     parser.add_argument("--length_penalty", type=float, default=0.6)
+    parser.add_argument("--length_penalty_style", choices=["hf", "gnmt"], default="hf",
+                        help="hf: transformers' score / |Y|^alpha; gnmt: the paper's ((5+|Y|)/6)^alpha and at most "
+                             "input length + 50 tokens (§6.1).")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--max_test_samples", type=int, default=None)
     parser.add_argument("--output", default=None, help="Write the metrics JSON here (default: <model>/test_metrics.json).")
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model).to(device)
     result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=args.batch_size,
                                num_beams=args.num_beams, length_penalty=args.length_penalty,
-                               is_multi30k=args.test_file is None)
+                               is_multi30k=args.test_file is None,
+                               length_penalty_style=args.length_penalty_style)
     output = Path(args.output) if args.output else Path(args.model) / "test_metrics.json"
     write_json_atomic(output, result["metrics"])
     for key, value in result["metrics"].items():
