@@ -113,12 +113,19 @@ class TimeLimit(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         def stop(signum, frame):
-            logger.warning("Signal %d received: saving a checkpoint and stopping after this step.", signum)
+            if self.interrupted:  # the second signal: stop at once, without a checkpoint
+                raise KeyboardInterrupt(f"signal {signum} received twice")
+            logger.warning("Signal %d received: saving a checkpoint and stopping after this step (send it again to "
+                           "stop at once, without saving).", signum)
             self.interrupted = True
 
-        if hasattr(signal, "SIGTERM"):
-            signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+        signals = [signal.SIGINT] + ([signal.SIGTERM] if hasattr(signal, "SIGTERM") else [])
+        self._previous_handlers = {signum: signal.signal(signum, stop) for signum in signals}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # The final evaluation after training is interrupted by Ctrl-C as usual again.
+        for signum, handler in getattr(self, "_previous_handlers", {}).items():
+            signal.signal(signum, handler)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.interrupted or (self.deadline and time.monotonic() > self.deadline):
@@ -218,7 +225,22 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     start = time.perf_counter()
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    from training.checkpoints import resolve_resume_checkpoint
+
+    if model.config.position_embedding_type == "learned":  # they cannot extrapolate: refuse now, not at some batch
+        lengths = {"--max_source_length": data_args.max_source_length,
+                   "--max_target_length": data_args.max_target_length}
+        if training_args.eval_strategy != "no":
+            lengths["--generation_max_length"] = training_args.generation_max_length
+        too_long = {flag: n for flag, n in lengths.items() if n > model.config.max_position_embeddings}
+        if too_long:
+            raise ValueError(
+                f"The model has learned positions for {model.config.max_position_embeddings} tokens "
+                f"(max_position_embeddings), fewer than {', '.join(f'{k} {v}' for k, v in too_long.items())}. Lower "
+                f"these flags, raise max_position_embeddings, or use position_embedding_type=sinusoidal.")
+    # "last"/"true" or a run folder: its newest *complete* checkpoint (a kill while saving leaves incomplete ones).
+    resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    train_result = trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - start
     output_dir = Path(training_args.output_dir)
     if recipe.average_last and trainer.is_world_process_zero():
