@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -39,6 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     from training.common import DataArguments, evaluate_test_set, select, write_json_atomic
     from vaswani_hf.data import load_multi30k, load_parallel_dataset
 
+    from training.checkpoints import CheckpointError, check_model_folder
+
+    for name in ("num_beams", "batch_size", "max_test_samples"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {value}.")
+    if not math.isfinite(args.length_penalty):
+        raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
+    try:  # a vaswani model folder with complete safetensors weights and its tokenizer
+        check_model_folder(args.model)
+    except CheckpointError as error:
+        raise SystemExit(str(error)) from None
     data_args = DataArguments(source_lang=args.source_lang, target_lang=args.target_lang, test_file=args.test_file)
     if args.test_file:
         test = load_parallel_dataset(args.test_file, args.source_lang, args.target_lang)
@@ -47,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     test = select(test, args.max_test_samples)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForSeq2SeqLM.from_pretrained(args.model).to(device)
+    model = AutoModelForSeq2SeqLM.from_pretrained(args.model, use_safetensors=True).to(device)
     result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=args.batch_size,
                                num_beams=args.num_beams, length_penalty=args.length_penalty,
                                is_multi30k=args.test_file is None,

@@ -10,6 +10,7 @@ Decoding defaults to the paper's (§6.1): beam 4, length penalty 0.6, at most in
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -36,6 +37,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def decode_lines(raw: bytes, name: str) -> list[str]:
+    """UTF-8 bytes -> lines, split on "\\n" only (as `vaswani_hf.data.read_lines`, so U+2028 and the like inside a
+    sentence keep the output aligned with the input), without "\\r"; empty lines kept.
+
+    Raises:
+        SystemExit: bytes that are not UTF-8, naming `name`, the line and the byte.
+    """
+    chunks = raw.split(b"\n")
+    if chunks and chunks[-1] == b"":
+        chunks.pop()
+    lines = []
+    for lineno, chunk in enumerate(chunks, start=1):
+        try:
+            lines.append(chunk.decode("utf-8").removesuffix("\r"))
+        except UnicodeDecodeError as error:
+            raise SystemExit(f"{name}:{lineno}: not valid UTF-8 (byte {chunk[error.start:error.start + 1]!r} at byte "
+                             f"offset {error.start} of the line). Re-encode the input as UTF-8, e.g. "
+                             f"`iconv -f latin1 -t utf-8`.") from None
+    if lines and lines[0].startswith("\ufeff"):
+        lines[0] = lines[0][1:]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -51,22 +75,29 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--num_beams must be >= 1, got {args.num_beams}.")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise SystemExit(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}.")
+    if args.length_penalty is not None and not math.isfinite(args.length_penalty):
+        raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
     model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        raise SystemExit(f"{model_dir} is not a saved model folder (no config.json); pass the --output_dir of a "
-                         "training run or an exported folder.")
+    from training.checkpoints import CheckpointError, check_model_folder
+
+    try:  # a vaswani model folder with complete safetensors weights and its tokenizer
+        check_model_folder(model_dir)
+    except CheckpointError as error:
+        raise SystemExit(str(error)) from None
     if args.input == "-":
-        lines = sys.stdin.read().splitlines()
+        stdin = getattr(sys.stdin, "buffer", None)
+        lines = decode_lines(stdin.read() if stdin is not None else sys.stdin.read().encode("utf-8"), "stdin")
     else:
         path = Path(args.input)
         if not path.is_file():
             raise SystemExit(f"--input {path}: no such file.")
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = decode_lines(path.read_bytes(), str(path))
     if not any(line.strip() for line in lines):
-        raise SystemExit("No input sentences: the input is empty.")
+        raise SystemExit(f"No input sentences: {'stdin' if args.input == '-' else args.input} is empty.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code).to(device)
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code,
+                                                  use_safetensors=True).to(device)
     generate_fn = None
     if args.length_penalty_style == "gnmt":
         from vaswani_hf.decoding import paper_generate

@@ -157,6 +157,33 @@ class VaswaniConfig(PretrainedConfig):
         )
         self._validate()
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "VaswaniConfig":
+        """`PretrainedConfig.from_dict`, refusing the config of another model type.
+
+        transformers only warns when, say, a BART or Marian config.json is loaded as a `VaswaniConfig`, and then builds
+        a model of made-up sizes (or fails deep inside) that loads none of the weights.
+        """
+        model_type = config_dict.get("model_type")
+        if model_type is not None and model_type != cls.model_type:
+            architectures = ", ".join(config_dict.get("architectures") or []) or "unknown architecture"
+            raise ValueError(
+                f"config.json is for a model of type {model_type!r} ({architectures}), not {cls.model_type!r}: this is "
+                f"not a VaswaniForConditionalGeneration folder. Load it with its own class (e.g. "
+                f"AutoModelForSeq2SeqLM), or point to a folder saved from this model."
+            )
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "VaswaniConfig":
+        """`PretrainedConfig.from_pretrained`, with the folder or repository named in a wrong-model-type error."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except ValueError as error:
+            if str(error).startswith("config.json is for a model of type"):
+                raise ValueError(f"{pretrained_model_name_or_path}: {error}") from None
+            raise
+
     @property
     def decoder_vocab_size(self) -> int:
         """Size of the target vocabulary: `target_vocab_size`, or `vocab_size` when that is `None`."""

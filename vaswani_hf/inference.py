@@ -3,6 +3,7 @@ order. Used by the training scripts' evaluation and by the `vaswani-translate` c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -38,7 +39,8 @@ def translate_sentences(
             `model.generate` (e.g. the paper's GNMT-penalty decoding in `vaswani_hf.decoding`).
         progress: optional callable taking the number of sentences just finished (e.g. a tqdm `update`).
     Raises:
-        ValueError: an empty list, a non-string item, or `batch_size` / `num_beams` < 1.
+        ValueError: an empty list, a non-string item, `batch_size` / `num_beams` / `max_new_tokens` /
+            `max_source_length` < 1, or a non-finite `length_penalty`.
     """
     if isinstance(sentences, str):
         raise ValueError("translate_sentences: pass a list of sentences, not a single string.")
@@ -50,8 +52,13 @@ def translate_sentences(
             raise ValueError(f"translate_sentences: item {i} is {type(s).__name__}, not str.")
     if batch_size < 1:
         raise ValueError(f"translate_sentences: batch_size must be >= 1, got {batch_size}.")
-    if num_beams is not None and num_beams < 1:
-        raise ValueError(f"translate_sentences: num_beams must be >= 1, got {num_beams}.")
+    if num_beams is not None and (isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1):
+        raise ValueError(f"translate_sentences: num_beams must be an integer >= 1, got {num_beams!r}.")
+    for name, value in (("max_new_tokens", max_new_tokens), ("max_source_length", max_source_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"translate_sentences: {name} must be an integer >= 1 or None, got {value!r}.")
+    if length_penalty is not None and not math.isfinite(length_penalty):
+        raise ValueError(f"translate_sentences: length_penalty must be a finite number, got {length_penalty!r}.")
     model.eval()
     device = next(model.parameters()).device
     encoded = tokenizer(sentences, truncation=max_source_length is not None, max_length=max_source_length)["input_ids"]

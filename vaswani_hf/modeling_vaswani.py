@@ -353,6 +353,39 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _can_compile_fullgraph = False
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, reading weights from safetensors only and refusing weights that cannot be
+        right: a truncated or corrupted safetensors file (a copy, download or save that did not finish; safetensors'
+        own error names no file) and weights holding NaN or infinity (flipped bytes, or a run that diverged), which
+        would otherwise translate garbage without a word.
+
+        `use_safetensors` defaults to True: a folder with only `pytorch_model.bin` (a pickle) is refused unless the
+        caller passes `use_safetensors=False` on purpose.
+
+        Raises:
+            OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf.
+        """
+        kwargs.setdefault("use_safetensors", True)
+        try:
+            loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except Exception as error:
+            if type(error).__name__ != "SafetensorError":
+                raise
+            raise OSError(
+                f"{pretrained_model_name_or_path}: the weights file (model.safetensors) cannot be read: {error}. It is "
+                "truncated or corrupted, e.g. by a copy, download or save that did not finish; copy or download it "
+                "again, or load another checkpoint."
+            ) from error
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        for name, tensor in model.state_dict().items():
+            if tensor.device.type != "meta" and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(
+                    f"{pretrained_model_name_or_path}: weight {name} holds NaN or infinite values. The weights file is "
+                    "corrupted, or the training run that wrote it diverged; load an earlier checkpoint."
+                )
+        return loaded
+
     def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
         """transformers' `resize_token_embeddings`: resizes the input embeddings and updates `config.vocab_size`.
 
@@ -725,7 +758,16 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         `[1, 2, 2, 2, ...]` where greedy search ends `[1, 2, 0, 0, ...]`. This makes every decoding method pad
         with `<pad>`. Returns what `generate` returns (a `(B * num_return_sequences, L)` tensor or a
         `GenerateOutput` whose `sequences` are fixed the same way).
+
+        Raises:
+            ValueError: `num_beams` or `num_return_sequences` is not an integer >= 1 (transformers would fail with a
+                ZeroDivisionError or a negative tensor dimension).
         """
+        config = kwargs.get("generation_config") or self.generation_config
+        for name in ("num_beams", "num_return_sequences"):
+            value = kwargs.get(name, getattr(config, name, None))
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"generate(): {name} must be an integer >= 1, got {value!r}.")
         outputs = super().generate(*args, **kwargs)
         sequences = outputs if torch.is_tensor(outputs) else getattr(outputs, "sequences", None)
         generation_config = kwargs.get("generation_config") or self.generation_config
