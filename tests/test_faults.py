@@ -1,0 +1,159 @@
+"""Output files are written atomically: a failure or a kill in the middle of a write leaves the previous file as it
+was, never half a file. And every place in vaswani_hf/ and training/ that writes a file is one we have checked.
+
+(Training faults, run for real, are in tests/test_resume.py.)
+"""
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from training.common import write_json_atomic, write_lines_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_a_failing_json_write_leaves_the_old_file(tmp_path):
+    target = tmp_path / "metrics.json"
+    write_json_atomic(target, {"bleu": 27.3})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        # json.dump has written '{"bleu": 1.0, "broken": ' to the temporary file when it fails
+        write_json_atomic(target, {"bleu": 1.0, "broken": object()})
+    assert json.loads(target.read_text()) == {"bleu": 27.3}
+    assert leftovers(tmp_path) == []
+
+
+def test_a_failing_lines_write_leaves_the_old_file(tmp_path):
+    target = tmp_path / "translations.txt"
+    write_lines_atomic(target, ["old 1", "old 2"])
+
+    def lines():
+        for i in range(10_000):
+            yield f"new {i}"
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_lines_atomic(target, lines())
+    assert target.read_text() == "old 1\nold 2\n"
+    assert leftovers(tmp_path) == []
+    write_lines_atomic(target, ["new"])  # and the next write goes through
+    assert target.read_text() == "new\n"
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[3])
+    from training.common import write_json_atomic, write_lines_atomic
+
+    def lines():
+        for i in range(50_000):
+            yield f"new translation {i}"
+        Path(sys.argv[2]).touch()  # half written: tell the test, then wait for the kill
+        time.sleep(600)
+
+    write_lines_atomic(sys.argv[1], lines())
+    """
+)
+
+
+def test_a_kill_in_the_middle_of_a_write_leaves_the_old_file(tmp_path):
+    target = tmp_path / "test_translations.txt"
+    write_lines_atomic(target, ["old"] * 3)
+    flag = tmp_path / "half-written"
+    script = tmp_path / "writer.py"
+    script.write_text(KILLED_WRITER)
+    process = subprocess.Popen([sys.executable, str(script), str(target), str(flag), str(ROOT)],
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 600
+    while not flag.exists():
+        assert process.poll() is None, "the writer ended early"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert target.read_text() == "old\nold\nold\n"
+    # The half-written temporary file is hidden beside it (".test_translations.txt.*.tmp"), never at the target name.
+    (tmp,) = leftovers(tmp_path)
+    assert tmp.startswith(".test_translations.txt.") and (tmp_path / tmp).stat().st_size > 0
+
+
+# Every file write in the package and the commands, and why it is safe -----------------------------------------------
+
+WRITE_CALLS = {"write_text", "write_bytes", "savefig", "save_file", "dump", "writelines", "save_pretrained", "save",
+               "save_model", "save_state", "to_csv", "to_json", "copyfile", "copy2", "copytree"}
+# (file, enclosing function, call) -> why the write cannot leave a half-written output under its final name.
+CHECKED_WRITES = {
+    ("training/common.py", "write_json_atomic", "fdopen"): "the atomic helper: temporary file, then os.replace",
+    ("training/common.py", "write_json_atomic", "dump"): "the atomic helper",
+    ("training/common.py", "write_lines_atomic", "fdopen"): "the atomic helper",
+    ("training/common.py", "write_lines_atomic", "writelines"): "the atomic helper",
+    ("training/common.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then os.replace",
+    ("training/export.py", "export_for_hub", "save_pretrained"): "into a mkdtemp folder, then os.replace",
+    ("training/export.py", "export_for_hub", "write_text"): "into the same mkdtemp folder",
+    ("training/train_no_trainer.py", "save_checkpoint", "save_pretrained"): "into .tmp-checkpoint-<step>, renamed",
+    ("training/train_no_trainer.py", "save_checkpoint", "save_state"): "into the same .tmp-checkpoint-<step>",
+    ("training/train_no_trainer.py", "run.save_model_hook", "save_pretrained"): "called by save_state into the tmp "
+                                                                                "checkpoint folder",
+    ("vaswani_hf/averaging.py", "_atomic_copy", "copyfile"): "temporary file, then os.replace",
+    ("vaswani_hf/averaging.py", "save_averaged_model", "save_file"): "through _atomic_write",
+    ("vaswani_hf/averaging.py", "save_averaged_model", "write_text"): "through _atomic_write",
+    ("vaswani_hf/export_ct2.py", "export_ct2", "save"): "into a staging folder, then os.replace",
+    ("vaswani_hf/visualization.py", "save_figure", "savefig"): "temporary file, then os.replace",
+    # The final model folder of a training run is written by transformers (save_model / save_pretrained), file by
+    # file. A kill during that save can leave a truncated model.safetensors: from_pretrained and the commands then
+    # refuse it with a clear error (tests/test_bad_input.py), and the checkpoint-<step> folders still hold the run.
+    ("training/train.py", "main", "save_model"): "transformers' model folder; truncation is detected on load",
+    ("training/train.py", "main", "save_pretrained"): "the tokenizer beside it; as above",
+    ("training/train_no_trainer.py", "run", "save_pretrained"): "transformers' model folder; as above",
+}
+
+
+def write_sites() -> set[tuple[str, str, str]]:
+    """(file, enclosing function, call) of every call in vaswani_hf/ and training/ that writes a file."""
+    found = set()
+    for path in sorted([*(ROOT / "vaswani_hf").rglob("*.py"), *(ROOT / "training").rglob("*.py")]):
+        relative = str(path.relative_to(ROOT))
+
+        def visit(node, scope):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(child, [*scope, child.name])
+                    continue
+                if isinstance(child, ast.Call):
+                    func = child.func
+                    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                    if name in ("open", "fdopen"):
+                        modes = [*child.args[1:2], *(k.value for k in child.keywords if k.arg == "mode")]
+                        mode = modes[0].value if modes and isinstance(modes[0], ast.Constant) else "r"
+                        name = name if any(c in mode for c in "wax+") else None
+                    if name in WRITE_CALLS or name in ("open", "fdopen"):
+                        found.add((relative, ".".join(scope) or "<module>", name))
+                visit(child, scope)
+
+        visit(ast.parse(path.read_text(encoding="utf-8")), [])
+    return found
+
+
+def test_every_file_write_is_atomic_or_checked():
+    unchecked = sorted(write_sites() - set(CHECKED_WRITES))
+    assert not unchecked, (
+        "New file writes: write outputs with training.common.write_json_atomic / write_lines_atomic (or a temporary "
+        "file/folder and os.replace), then add them to CHECKED_WRITES with the reason: " + repr(unchecked))
+    # The commands' outputs go through the atomic helpers.
+    for command in ("translate.py", "evaluate_bleu.py"):
+        text = (ROOT / "training" / command).read_text()
+        assert "write_lines_atomic(" in text or "write_json_atomic(" in text, command
