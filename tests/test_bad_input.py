@@ -128,6 +128,17 @@ def test_train_cli_unknown_language_codes(tmp_path):
         train(tmp_path, "--train_file", prefix, "--target_lang", "de")
 
 
+def test_train_cli_zero_samples_is_refused_not_read_as_all(tmp_path):
+    prefix = parallel(tmp_path / "data")
+    for flag in ("--max_train_samples", "--max_test_samples", "--max_tokens", "--max_source_length"):
+        with pytest.raises(DataError, match=f"{flag} must be >= 1 \\(leave the flag out for the default\\), got 0"):
+            train(tmp_path, "--train_file", prefix, "--test_file", prefix, flag, "0")
+    from training.common import select
+
+    with pytest.raises(DataError, match=r"take a number of examples >= 1 .*got 0"):  # the library function too
+        select(list(range(3)), 0)
+
+
 # Model and tokenizer that do not fit each other ---------------------------------------------------------------------
 
 

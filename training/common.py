@@ -80,6 +80,14 @@ class DataArguments:
         "help": "Token budget per batch per device, padded tokens counted (fairseq --max-tokens). Default: the "
                 "preset's."})
 
+    def __post_init__(self):
+        # Refused when the flags are parsed, not after an hour of training (0 samples used to mean "all").
+        for name in ("max_source_length", "max_target_length", "max_train_samples", "max_eval_samples",
+                     "max_test_samples", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise DataError(f"--{name} must be >= 1 (leave the flag out for the default), got {value}.")
+
 
 @dataclass
 class ModelArguments:
@@ -170,7 +178,17 @@ def load_raw_datasets(data_args: DataArguments):
 
 
 def select(dataset, n: int | None):
-    return dataset.select(range(min(n, len(dataset)))) if n else dataset
+    """The first `n` examples of `dataset`; all of them for None.
+
+    Raises:
+        DataError: `n` < 1 (0 used to mean "all", silently).
+    """
+    if n is None:
+        return dataset
+    if isinstance(n, bool) or n < 1:
+        raise DataError(f"--max_train_samples, --max_eval_samples and --max_test_samples take a number of examples "
+                        f">= 1 (leave the flag out for all of them), got {n}.")
+    return dataset.select(range(min(n, len(dataset))))
 
 
 def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArguments, vocab_size: int):
