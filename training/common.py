@@ -132,6 +132,17 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def wants_cpu_bf16(recipe: RecipeArguments) -> bool:
+    """Whether a run on the CPU should compute in bf16 autocast, per --cpu_bf16 (auto: where bf16 is native).
+
+    Raises:
+        ValueError: --cpu_bf16 is not auto, yes or no.
+    """
+    if recipe.cpu_bf16 not in ("auto", "yes", "no"):
+        raise ValueError(f"--cpu_bf16 must be auto, yes or no, got {recipe.cpu_bf16!r}.")
+    return recipe.cpu_bf16 == "yes" or (recipe.cpu_bf16 == "auto" and cpu_has_native_bf16())
+
+
 def parse_overrides(text: str | None) -> dict[str, Any]:
     """'d_model=512,dropout=0.2,normalize_before=true' -> {'d_model': 512, 'dropout': 0.2, ...}.
 
@@ -189,6 +200,83 @@ def select(dataset, n: int | None):
         raise DataError(f"--max_train_samples, --max_eval_samples and --max_test_samples take a number of examples "
                         f">= 1 (leave the flag out for all of them), got {n}.")
     return dataset.select(range(min(n, len(dataset))))
+
+
+def prepare_data(model_args: ModelArguments, data_args: DataArguments, preset: dict[str, Any]):
+    """Data -> joint BPE -> token ids: load the splits (the shipped Multi30k by default), keep the first
+    --max_train_samples training pairs, get the tokenizer (`get_tokenizer`: trained on the training split and cached,
+    or loaded) and tokenize every split, truncated to --max_source_length / --max_target_length.
+
+    Returns:
+        `(raw, tokenizer, tokenized)`: the `DatasetDict` of `{"translation": ...}` records, the tokenizer, and the
+        `DatasetDict` of `input_ids` / `attention_mask` / `labels`.
+    """
+    raw = load_raw_datasets(data_args)
+    raw["train"] = select(raw["train"], data_args.max_train_samples)
+    tokenizer = get_tokenizer(model_args, raw["train"], data_args, model_args.vocab_size or preset["vocab_size"])
+    tokenized = tokenize_dataset(raw, tokenizer, data_args.source_lang, data_args.target_lang,
+                                 max_length=data_args.max_source_length,
+                                 max_target_length=data_args.max_target_length, keep_translation=False)
+    return raw, tokenizer, tokenized
+
+
+def is_multi30k(data_args: DataArguments) -> bool:
+    """True when the run reads the shipped Multi30k (neither --train_file nor --dataset_name given)."""
+    return not (data_args.train_file or data_args.dataset_name)
+
+
+def dataset_label(data_args: DataArguments) -> str:
+    """What the run trained on, for metrics.json and the model card: "multi30k", the Hub dataset name, or the
+    training file's name."""
+    if is_multi30k(data_args):
+        return "multi30k"
+    if data_args.dataset_name:
+        return data_args.dataset_name
+    return Path(data_args.train_file).name
+
+
+def build_model(model_args: ModelArguments, preset: dict[str, Any], tokenizer):
+    """The model to train: the saved one of --model_name_or_path, else a fresh model of `preset` (fields overridden by
+    --config_overrides) whose vocabulary size and special ids are the tokenizer's.
+
+    Raises:
+        ValueError: the tokenizer's size differs from the model's vocabulary, or a bad --config_overrides item.
+    """
+    from vaswani_hf import VaswaniForConditionalGeneration
+
+    if model_args.model_name_or_path:
+        model = VaswaniForConditionalGeneration.from_pretrained(model_args.model_name_or_path)
+    else:
+        overrides = {**preset["model"], **parse_overrides(model_args.config_overrides)}
+        config = VaswaniConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                               decoder_start_token_id=tokenizer.bos_token_id, **overrides)
+        model = VaswaniForConditionalGeneration(config)
+    if len(tokenizer) != model.config.vocab_size:
+        raise ValueError(f"The tokenizer has {len(tokenizer)} entries but the model's vocabulary has "
+                         f"{model.config.vocab_size}; pass the tokenizer saved with the model (--tokenizer_name).")
+    logger.info("Model: %s parameters, d_model=%d, %d+%d layers, %d heads, d_ff=%d",
+                f"{sum(p.numel() for p in model.parameters()):,}", model.config.d_model,
+                model.config.encoder_layers, model.config.decoder_layers, model.config.num_heads, model.config.d_ff)
+    return model
+
+
+def check_distributed(num_processes: int) -> None:
+    """Refuse a launch whose processes did not join one job.
+
+    `torchrun` or `accelerate launch` with several processes on a machine without GPUs, but without the CPU switch
+    (`--use_cpu` for train.py, `--cpu` for train_no_trainer.py, or the environment variable ACCELERATE_USE_CPU=true),
+    leaves every process training alone on all the data and writing the same output_dir.
+
+    Raises:
+        RuntimeError: the launcher's WORLD_SIZE differs from the `num_processes` that accelerate set up.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and num_processes != world_size:
+        raise RuntimeError(
+            f"Launched as {world_size} processes (WORLD_SIZE) but accelerate set up {num_processes}: the processes "
+            f"would each train alone. Without GPUs, launch with ACCELERATE_USE_CPU=true (or pass --use_cpu to "
+            f"train.py, --cpu to train_no_trainer.py) so that they join over gloo.")
 
 
 def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArguments, vocab_size: int):
@@ -300,6 +388,37 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
         metrics["test_tok_bleu"] = round(scores["tok_bleu"], 2)
         metrics["test_tok_bleu_signature"] = scores["tok_signature"]
     return {"metrics": metrics, "hypotheses": hypotheses, "sources": sources, "references": references}
+
+
+def finish_run(model, tokenizer, raw_datasets, data_args: DataArguments, recipe: RecipeArguments, metrics: dict,
+               output_dir: str | os.PathLike, *, batch_size: int, num_beams: int) -> dict:
+    """The end of a training run, on the main process only: translate and score the test split if the data has one
+    (`evaluate_test_set`: beam search, §6.1; BLEU two ways), print `recipe.num_samples` sample translations and the
+    scores, and write `test_translations.txt` and `metrics.json` (atomically) into `output_dir`.
+
+    `metrics` is updated in place and returned, with `source_lang`, `target_lang` and `dataset` added (the model card
+    of `training/export.py` reads them).
+    """
+    output_dir = Path(output_dir)
+    metrics.update(source_lang=data_args.source_lang, target_lang=data_args.target_lang,
+                   dataset=dataset_label(data_args))
+    if "test" in raw_datasets:
+        test = select(raw_datasets["test"], data_args.max_test_samples)
+        result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=batch_size, num_beams=num_beams,
+                                   is_multi30k=is_multi30k(data_args))
+        metrics.update(result["metrics"])
+        write_lines_atomic(output_dir / "test_translations.txt", result["hypotheses"])
+        print("\nSample translations (test set):")
+        for src, hyp, ref in list(zip(result["sources"], result["hypotheses"], result["references"]))[
+                : recipe.num_samples]:
+            print(f"  source:    {src}\n  output:    {hyp}\n  reference: {ref}\n")
+    write_json_atomic(output_dir / "metrics.json", metrics)
+    print(f"Test BLEU (sacreBLEU, detokenized): {metrics.get('test_bleu')}   "
+          f"{metrics.get('test_bleu_signature', '')}")
+    if "test_tok_bleu" in metrics:
+        print(f"Test BLEU (lowercased, tokenized, as Multi30k papers report): {metrics['test_tok_bleu']}")
+    print(f"Model, tokenizer and metrics.json written to {output_dir}")
+    return metrics
 
 
 def setup_logging(level: int = logging.INFO) -> None:

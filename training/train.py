@@ -40,20 +40,17 @@ from training.common import (
     DataArguments,
     ModelArguments,
     RecipeArguments,
+    build_model,
+    check_distributed,
     cpu_has_native_bf16,
-    evaluate_test_set,
-    get_tokenizer,
-    load_raw_datasets,
-    parse_overrides,
+    finish_run,
+    prepare_data,
     resolve_preset,
     select,
     setup_logging,
     token_budget_sampler,
-    write_json_atomic,
-    write_lines_atomic,
 )
-from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration
-from vaswani_hf.data import tokenize_dataset
+from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
 logger = logging.getLogger("vaswani_hf.train")
@@ -161,33 +158,16 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info("Training in bf16 autocast on the CPU (--cpu_bf16 no for fp32).")
     max_tokens = data_args.max_tokens or preset["max_tokens"]
     lr_factor = recipe.lr_factor or preset["lr_factor"]
+    check_distributed(training_args.world_size)
     set_seed(training_args.seed)
 
-    # Data -> joint BPE -> token ids.
-    raw = load_raw_datasets(data_args)
-    is_multi30k = not (data_args.train_file or data_args.dataset_name)
-    raw["train"] = select(raw["train"], data_args.max_train_samples)
-    tokenizer = get_tokenizer(model_args, raw["train"], data_args, model_args.vocab_size or preset["vocab_size"])
-    tokenized = tokenize_dataset(raw, tokenizer, data_args.source_lang, data_args.target_lang,
-                                 max_length=data_args.max_source_length,
-                                 max_target_length=data_args.max_target_length, keep_translation=False)
+    # Data -> joint BPE -> token ids (the main process first: it trains and caches the BPE, the others load it).
+    with training_args.main_process_first(desc="data and tokenizer"):
+        raw, tokenizer, tokenized = prepare_data(model_args, data_args, preset)
 
     # Model: the preset (the paper's base/big, or the CPU size), any field overridable.
-    if model_args.model_name_or_path:
-        model = VaswaniForConditionalGeneration.from_pretrained(model_args.model_name_or_path)
-    else:
-        overrides = {**preset["model"], **parse_overrides(model_args.config_overrides)}
-        config = VaswaniConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                               decoder_start_token_id=tokenizer.bos_token_id, **overrides)
-        model = VaswaniForConditionalGeneration(config)
-    if len(tokenizer) != model.config.vocab_size:
-        raise ValueError(f"The tokenizer has {len(tokenizer)} entries but the model's vocabulary has "
-                         f"{model.config.vocab_size}; pass the tokenizer saved with the model (--tokenizer_name).")
+    model = build_model(model_args, preset, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("Model: %s parameters, d_model=%d, %d+%d layers, %d heads, d_ff=%d", f"{n_params:,}",
-                model.config.d_model, model.config.encoder_layers, model.config.decoder_layers,
-                model.config.num_heads, model.config.d_ff)
 
     eval_dataset = select(tokenized["validation"], data_args.max_eval_samples) if "validation" in tokenized else None
     if eval_dataset is None:
@@ -253,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info("Averaged the last %d checkpoints into %s", recipe.average_last, output_dir)
     else:
         trainer.save_model()
-    tokenizer.save_pretrained(output_dir)
+    if trainer.is_world_process_zero():  # one writer: the processes may share the filesystem
+        tokenizer.save_pretrained(output_dir)
 
     metrics: dict = {k: v for k, v in train_result.metrics.items()}
     state = trainer.state
@@ -271,26 +252,11 @@ def main(argv: list[str] | None = None) -> dict:
     if train_tokens:
         metrics["train_tokens"] = train_tokens
 
-    # Test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways.
-    if "test" in raw and trainer.is_world_process_zero():
-        test = select(raw["test"], data_args.max_test_samples)
-        result = evaluate_test_set(trainer.model, tokenizer, test, data_args,
-                                   batch_size=training_args.per_device_eval_batch_size,
-                                   num_beams=training_args.generation_num_beams,
-                                   is_multi30k=is_multi30k)
-        metrics.update(result["metrics"])
-        write_lines_atomic(output_dir / "test_translations.txt", result["hypotheses"])
-        print("\nSample translations (test set):")
-        for src, hyp, ref in list(zip(result["sources"], result["hypotheses"], result["references"]))[
-                : recipe.num_samples]:
-            print(f"  source:    {src}\n  output:    {hyp}\n  reference: {ref}\n")
+    # Test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways; metrics.json.
     if trainer.is_world_process_zero():
-        write_json_atomic(output_dir / "metrics.json", metrics)
-        print(f"Test BLEU (sacreBLEU, detokenized): {metrics.get('test_bleu')}   "
-              f"{metrics.get('test_bleu_signature', '')}")
-        if "test_tok_bleu" in metrics:
-            print(f"Test BLEU (lowercased, tokenized, as Multi30k papers report): {metrics['test_tok_bleu']}")
-        print(f"Model, tokenizer and metrics.json written to {output_dir}")
+        finish_run(trainer.model, tokenizer, raw, data_args, recipe, metrics, output_dir,
+                   batch_size=training_args.per_device_eval_batch_size,
+                   num_beams=training_args.generation_num_beams)
     if training_args.push_to_hub and trainer.is_world_process_zero():
         trainer.push_to_hub()
     return metrics
