@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> dict:
     max_tokens = data_args.max_tokens or preset["max_tokens"]
     lr_factor = recipe.lr_factor or preset["lr_factor"]
     check_distributed(training_args.world_size)
+    # --push_to_hub: the Trainer's own pushes (a commit per checkpoint, its own model card) are off; at the end the
+    # run is exported as a Hub-ready folder (training/export.py: remote code, model card with the test BLEU) and that
+    # folder is uploaded.
+    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
     set_seed(training_args.seed)
 
     # Data -> joint BPE -> token ids (the main process first: it trains and caches the BPE, the others load it).
@@ -257,8 +261,11 @@ def main(argv: list[str] | None = None) -> dict:
         finish_run(trainer.model, tokenizer, raw, data_args, recipe, metrics, output_dir,
                    batch_size=training_args.per_device_eval_batch_size,
                    num_beams=training_args.generation_num_beams)
-    if training_args.push_to_hub and trainer.is_world_process_zero():
-        trainer.push_to_hub()
+    if push_to_hub and trainer.is_world_process_zero():
+        from training.export import export_and_push
+
+        export_and_push(output_dir, repo_id=training_args.hub_model_id, token=training_args.hub_token,
+                        private=training_args.hub_private_repo)
     return metrics
 
 

@@ -24,7 +24,7 @@ vaswani_hf); only the loop is written here, and every flag of training/common.py
   is never resumed from. `--resume_from_checkpoint PATH|latest` continues exactly where the run stopped.
 - At the end: the model and tokenizer in output_dir, optionally the average of the last N checkpoints (§6.1), test
   BLEU (beam 4, length penalty 0.6), `metrics.json`, and `trainer_state.json` with the loss curve
-  (`vaswani-plot curve` reads it).
+  (`vaswani-plot curve` reads it); `--push_to_hub` uploads the Hub-ready export (training/export.py).
 
 Data parallel only (one process per device, DDP): for FSDP use train.py with training/accelerate_configs/fsdp_big.yaml.
 There is no validation during training; use train.py for validation BLEU every --eval_steps.
@@ -103,6 +103,12 @@ class LoopArguments:
     max_grad_norm: float = field(default=0.0, metadata={"help": "Clip gradients to this norm; 0 (default, the "
                                                                 "paper): no clipping."})
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes (default 0)."})
+    push_to_hub: bool = field(default=False, metadata={
+        "help": "At the end, export a Hub-ready folder (training/export.py) and upload it to --hub_model_id."})
+    hub_model_id: str | None = field(default=None, metadata={
+        "help": "The Hub repository (namespace/name; default: the output_dir's name in your namespace)."})
+    hub_token: str | None = field(default=None, metadata={"help": "Hub token (default: HF_TOKEN or the login)."})
+    hub_private_repo: bool | None = field(default=None, metadata={"help": "Create the repository private."})
 
 
 def build_parser() -> HfArgumentParser:
@@ -354,6 +360,11 @@ def run(argv: list[str] | None = None):
         finish_run(unwrapped, tokenizer, raw, data_args, recipe, metrics, output_dir,
                    batch_size=loop.per_device_eval_batch_size,
                    num_beams=loop.num_beams or unwrapped.generation_config.num_beams)
+        if loop.push_to_hub:
+            from training.export import export_and_push
+
+            export_and_push(output_dir, repo_id=loop.hub_model_id, token=loop.hub_token,
+                            private=loop.hub_private_repo)
     return metrics, unwrapped
 
 

@@ -1,0 +1,333 @@
+"""The Hub export (training/export.py, model_card.md) and publishing: the folder holds exactly the Hub files, loads as
+remote code where vaswani_hf cannot be imported and translates as the original; uploads (from training with
+--push_to_hub, and from `vaswani-export --push_to_hub`) go to a stand-in for the Hub API on 127.0.0.1 that records
+them (the real Hub is never contacted)."""
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+import vaswani_hf
+from training.export import EXPORTED_CODE, export_for_hub, main as export_main, push_folder
+
+ROOT = Path(__file__).resolve().parent.parent
+HUB_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+             "tokenizer_config.json", *EXPORTED_CODE}
+SENTENCES = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee vor einem Haus."]
+
+
+class StandInHub:
+    """The four endpoints `HfApi.create_repo` and `HfApi.upload_folder` call (huggingface_hub 1.x/2.x): create repo,
+    validate the README's YAML, preupload (every file answered "regular", so contents travel in the commit itself) and
+    commit (NDJSON). Every request is recorded; any other one is answered 404 and recorded as unexpected."""
+
+    def __init__(self):
+        self.requests, self.repos, self.commits = [], [], []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status, payload):
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                hub.requests.append(("GET", self.path, None))
+                self.reply(404, {"error": "not in the stand-in"})
+
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                hub.requests.append(("POST", self.path, self.headers.get("Authorization")))
+                path = self.path.split("?")[0]
+                if path == "/api/repos/create":
+                    body = json.loads(raw)
+                    hub.repos.append(body)
+                    return self.reply(200, {"url": f"{hub.url}/{body['organization']}/{body['name']}"})
+                if path == "/api/validate-yaml":
+                    content = json.loads(raw)["content"]
+                    try:
+                        yaml.safe_load(content.split("---")[1])
+                    except yaml.YAMLError as error:
+                        return self.reply(400, {"errors": [{"message": str(error)}]})
+                    return self.reply(200, {"errors": [], "warnings": []})
+                if match := re.fullmatch(r"/api/models/(.+)/preupload/([^/]+)", path):
+                    files = json.loads(raw)["files"]
+                    return self.reply(200, {"files": [{"path": f["path"], "uploadMode": "regular",
+                                                       "shouldIgnore": False} for f in files]})
+                if match := re.fullmatch(r"/api/models/(.+)/commit/([^/]+)", path):
+                    lines = [json.loads(line) for line in raw.decode().splitlines() if line]
+                    files = {item["value"]["path"]: base64.b64decode(item["value"]["content"])
+                             for item in lines if item["key"] == "file"}
+                    header = next(item["value"] for item in lines if item["key"] == "header")
+                    hub.commits.append({"repo_id": match.group(1), "revision": match.group(2),
+                                        "message": header["summary"], "files": files})
+                    return self.reply(200, {"commitUrl": f"{hub.url}/{match.group(1)}/commit/c0ffee",
+                                            "commitOid": "c0ffee", "pullRequestUrl": None})
+                self.reply(404, {"error": "not in the stand-in"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def hub():
+    import huggingface_hub.constants
+
+    server = StandInHub()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # CI sets HF_HUB_OFFLINE=1
+        patch.setenv("NO_PROXY", "127.0.0.1")
+        patch.setenv("HF_ENDPOINT", server.url)
+        yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, hub):
+    """A tiny run on the shipped Multi30k that ends with --push_to_hub (to the stand-in)."""
+    from training.train import main
+
+    out = tmp_path_factory.mktemp("run")
+    main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path_factory.mktemp("cache")),
+          "--max_train_samples", "200", "--max_test_samples", "4", "--max_steps", "2", "--eval_strategy", "no",
+          "--num_samples", "0", "--cpu_bf16", "no", "--disable_tqdm", "true", "--report_to", "none",
+          "--push_to_hub", "--hub_model_id", "someone/vaswani-tiny", "--hub_token", "hf_stand_in_token"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("export") / "vaswani-tiny"
+    assert export_main(["--model_dir", str(trained), "--output_dir", str(folder),
+                        "--hub_model_id", "someone/vaswani-tiny"]) == 0
+    return folder
+
+
+def front_matter(readme: str) -> dict:
+    assert readme.startswith("---\n")
+    return yaml.safe_load(readme.split("---")[1])
+
+
+def test_export_holds_exactly_the_hub_files(exported, trained):
+    assert {p.name for p in exported.iterdir()} == HUB_FILES
+    package = Path(vaswani_hf.__file__).parent
+    for name in EXPORTED_CODE:
+        assert (exported / name).read_text() == (package / name).read_text()
+    config = json.loads((exported / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_vaswani.VaswaniConfig",
+                                  "AutoModel": "modeling_vaswani.VaswaniModel",
+                                  "AutoModelForSeq2SeqLM": "modeling_vaswani.VaswaniForConditionalGeneration"}
+    with safe_open(str(exported / "model.safetensors"), framework="pt") as weights:
+        shapes = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
+    embeddings = [key for key, shape in shapes.items() if shape == [config["vocab_size"], config["d_model"]]]
+    assert len(embeddings) == 1, f"one shared embedding tensor, found {embeddings}"
+    generation = json.loads((exported / "generation_config.json").read_text())
+    assert generation["num_beams"] == 4 and generation["length_penalty"] == 0.6
+    assert not list(exported.parent.glob(".*tmp*")), "no temporary folder left"
+
+
+def test_model_card_carries_the_runs_metrics_and_usage(exported, trained):
+    metrics = json.loads((trained / "metrics.json").read_text())
+    readme = (exported / "README.md").read_text(encoding="utf-8")
+    meta = front_matter(readme)
+    assert meta["language"] == ["de", "en"] and meta["datasets"] == ["multi30k"] and meta["metrics"] == ["bleu"]
+    assert meta["license"] == "other" and meta["license_link"] == "https://github.com/multi30k/dataset"
+    assert {"translation", "transformer", "vaswani"} <= set(meta["tags"])
+    assert meta["pipeline_tag"] == "translation" and meta["library_name"] == "transformers"
+    (entry,) = meta["model-index"]
+    assert entry["name"] == "vaswani-tiny"
+    (result,) = entry["results"]
+    assert result["task"]["type"] == "translation" and result["dataset"]["split"] == "test"
+    values = {m["name"]: (m["value"], m["config"]) for m in result["metrics"]}
+    assert values == {"SacreBLEU (detokenized)": (metrics["test_bleu"], metrics["test_bleu_signature"]),
+                      "BLEU (lowercased, tokenized references)": (metrics["test_tok_bleu"],
+                                                                  metrics["test_tok_bleu_signature"])}
+    assert f'repo = "someone/vaswani-tiny"' in readme and "trust_remote_code=True" in readme
+    assert f"**{metrics['test_bleu']}**" in readme and metrics["test_bleu_signature"] in readme
+    assert "non-commercial research and educational use" in readme and "elliott-etal-2016-multi30k" in readme
+    assert "vaswani2017attention" in readme and 'pipeline("translation")' in readme
+
+
+# Runs with `python -I` (no PYTHONPATH, user site or current directory on sys.path) from the folder's parent, with
+# vaswani_hf made unimportable even where it is installed (`pip install -e .`): a None entry in sys.modules makes
+# `import vaswani_hf` and of any submodule raise ImportError. Then it runs the usage snippet of the README.
+REMOTE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+
+    sys.modules["vaswani_hf"] = None
+    folder, sentences = sys.argv[1], json.loads(sys.argv[2])
+    result = {}
+    try:
+        import vaswani_hf  # noqa: F401
+        result["import_vaswani_hf"] = "succeeded"
+    except ImportError:
+        result["import_vaswani_hf"] = "failed"
+
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    for name, auto in (("config", AutoConfig), ("model", AutoModel), ("seq2seq", AutoModelForSeq2SeqLM)):
+        try:
+            auto.from_pretrained(folder)
+            result["refused_" + name] = False
+        except Exception as error:  # no terminal to ask: a ValueError asking for trust_remote_code=True
+            result["refused_" + name] = "trust_remote_code" in str(error)
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    base = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    batch = tokenizer(sentences, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ids = model.generate(**batch, max_new_tokens=batch["input_ids"].shape[1] + 50)
+    result.update(
+        ids=ids.tolist(),
+        classes=[type(x).__module__ + "." + type(x).__name__ for x in (config, base, model)],
+        tokenizer_class=type(tokenizer).__name__,
+        tied=model.lm_head.weight is model.model.shared.weight,
+    )
+    snippet = open(folder + "/README.md", encoding="utf-8").read().split("```python")[1].split("```")[0]
+    snippet = snippet.replace('repo = "someone/vaswani-tiny"', "repo = " + repr(folder))
+    print("SNIPPET=", end="")
+    exec(compile(snippet, "README.md", "exec"), {})
+    result["loaded_modules"] = sorted(m for m in sys.modules if m.startswith("vaswani_hf") and sys.modules[m])
+    print("RESULT=" + json.dumps(result))
+    """
+)
+
+
+def test_export_loads_as_remote_code_and_translates_as_the_original(exported, trained, tmp_path):
+    from transformers import AutoTokenizer
+
+    from vaswani_hf import VaswaniForConditionalGeneration
+
+    original = VaswaniForConditionalGeneration.from_pretrained(trained).eval()
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    batch = tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = original.generate(**batch, max_new_tokens=batch["input_ids"].shape[1] + 50)
+    example = tokenizer(["Zwei Hunde spielen im Schnee."], return_tensors="pt")
+    with torch.no_grad():
+        example_ids = original.generate(**example, max_new_tokens=example["input_ids"].shape[1] + 50)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    completed = subprocess.run(
+        [sys.executable, "-I", "-c", REMOTE_SCRIPT, str(exported), json.dumps(SENTENCES)],
+        cwd=exported.parent, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.split("RESULT=")[-1])
+    assert result["import_vaswani_hf"] == "failed" and result["loaded_modules"] == []
+    assert result["refused_config"] is result["refused_model"] is result["refused_seq2seq"] is True
+    assert all(c.startswith("transformers_modules.") for c in result["classes"])
+    assert [c.rsplit(".", 1)[1] for c in result["classes"]] == [
+        "VaswaniConfig", "VaswaniModel", "VaswaniForConditionalGeneration"]
+    assert result["tied"] is True, "one embedding matrix for encoder, decoder and output projection"
+    assert result["ids"] == expected.tolist()
+    printed = completed.stdout.split("SNIPPET=")[1].split("RESULT=")[0].strip()
+    assert printed == str(tokenizer.batch_decode(example_ids, skip_special_tokens=True))
+
+
+def test_translation_pipeline_with_vaswani_hf_imported(exported):
+    """In a process that imported vaswani_hf (which registers the task transformers 5 removed)."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(exported).eval()
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert type(model).__module__ == "vaswani_hf.modeling_vaswani"
+    translator = pipeline("translation", model=model, tokenizer=tokenizer)
+    batch = tokenizer(SENTENCES[:1], return_tensors="pt")
+    with torch.no_grad():
+        ids = model.generate(**batch, max_new_tokens=12)
+    assert translator(SENTENCES[0], max_new_tokens=12)[0]["translation_text"] == tokenizer.decode(
+        ids[0], skip_special_tokens=True).strip()
+
+
+def test_training_push_uploads_the_exported_folder(trained, hub):
+    folder = trained / "hub"
+    assert {p.name for p in folder.iterdir()} == HUB_FILES
+    assert {"name": "vaswani-tiny", "organization": "someone"}.items() <= hub.repos[0].items()
+    commit = next(c for c in hub.commits if c["repo_id"] == "someone/vaswani-tiny")
+    assert commit["revision"] == "main"
+    assert commit["files"] == {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert ("POST", "/api/validate-yaml", "Bearer hf_stand_in_token") in hub.requests
+    assert not [r for r in hub.requests if r[0] != "POST"], "only the four stand-in endpoints were called"
+    readme = commit["files"]["README.md"].decode()
+    assert front_matter(readme)["model-index"][0]["results"][0]["metrics"][0]["value"] == json.loads(
+        (trained / "metrics.json").read_text())["test_bleu"]
+
+
+def test_export_command_pushes_to_the_given_endpoint(exported, trained, tmp_path, hub, monkeypatch):
+    monkeypatch.delenv("HF_ENDPOINT")
+    folder = tmp_path / "again"
+    assert export_main(["--model_dir", str(trained), "--output_dir", str(folder), "--push_to_hub",
+                        "--hub_model_id", "another/name", "--hub_endpoint", hub.url, "--hub_token", "hf_x"]) == 0
+    commit = hub.commits[-1]
+    assert commit["repo_id"] == "another/name" and set(commit["files"]) == HUB_FILES
+    assert commit["files"]["model.safetensors"] == (exported / "model.safetensors").read_bytes()
+    assert hub.repos[-1]["name"] == "name" and hub.repos[-1]["organization"] == "another"
+    assert 'repo = "another/name"' in commit["files"]["README.md"].decode()
+
+
+def test_export_errors_are_clear(trained, tmp_path, monkeypatch, tiny_model):
+    import huggingface_hub.constants
+
+    with pytest.raises(SystemExit, match="not a saved model folder"):
+        export_main(["--model_dir", str(tmp_path), "--output_dir", str(tmp_path / "x")])
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(SystemExit, match="exists; pass --force"):
+        export_main(["--model_dir", str(trained), "--output_dir", str(tmp_path / "taken")])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "bart"}))
+    with pytest.raises(SystemExit, match="holds a 'bart' model"):
+        export_main(["--model_dir", str(other), "--output_dir", str(tmp_path / "y")])
+    tiny_model.save_pretrained(tmp_path / "no_tokenizer")
+    with pytest.raises(SystemExit, match="no tokenizer.json"):
+        export_main(["--model_dir", str(tmp_path / "no_tokenizer"), "--output_dir", str(tmp_path / "z")])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match="HF_HUB_OFFLINE is set"):
+        push_folder(trained / "hub", "someone/x", endpoint="http://127.0.0.1:9")
+
+
+def test_export_without_metrics_has_no_model_index(trained, tmp_path):
+    folder = export_for_hub(trained, tmp_path / "bare", metrics_file=tmp_path / "missing.json")
+    meta = front_matter((folder / "README.md").read_text())
+    assert "model-index" not in meta and meta["license"] == "unknown" and "datasets" not in meta
+
+
+def test_no_trainer_loop_pushes_too(hub, tmp_path):
+    from training.train_no_trainer import main
+
+    out = tmp_path / "run"
+    main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), "--max_steps", "1",
+          "--max_train_samples", "100", "--max_test_samples", "2", "--num_samples", "0", "--cpu_bf16", "no",
+          "--push_to_hub", "--hub_model_id", "someone/no-trainer"])
+    commit = hub.commits[-1]
+    assert commit["repo_id"] == "someone/no-trainer"
+    assert commit["files"] == {p.name: p.read_bytes() for p in (out / "hub").iterdir()}
+    assert set(commit["files"]) == HUB_FILES
