@@ -45,7 +45,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cpu": {
         "model": {"d_model": 256, "encoder_layers": 3, "decoder_layers": 3, "num_heads": 4, "d_ff": 1024},
-        "max_tokens": 4096, "warmup_steps": 400, "lr_factor": 0.5, "max_steps": 1400, "vocab_size": 8000,
+        "max_tokens": 4096, "warmup_steps": 400, "lr_factor": 0.5, "max_steps": 1000, "vocab_size": 8000,
+        # Fits the 30-minute budget on 2 cores: ~1.45 s a step in bf16, stopped by the clock if the machine is slower.
+        "max_train_minutes": 24, "max_eval_samples": 200, "trainer": {"eval_steps": 250, "save_steps": 250},
     },
     "tiny": {
         "model": {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1, "num_heads": 2, "d_ff": 64},
@@ -351,9 +353,13 @@ def write_lines_atomic(path: str | os.PathLike, lines: list[str]) -> None:
 
 
 def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, *, batch_size: int = 64,
-                      num_beams: int = 4, length_penalty: float = 0.6, is_multi30k: bool = True) -> dict[str, Any]:
+                      num_beams: int = 4, length_penalty: float = 0.6, is_multi30k: bool = True,
+                      length_penalty_style: str = "hf") -> dict[str, Any]:
     """Translate the test split (beam 4, length penalty 0.6 by default) and score it with detokenized sacreBLEU and,
     on the shipped Multi30k, lowercased tokenized BLEU against the official `tok/` references.
+
+    `length_penalty_style`: "hf" (`model.generate`: score / |Y|^alpha) or "gnmt" (the paper's
+    ((5 + |Y|) / 6)^alpha and at most input length + 50 tokens, `vaswani_hf.decoding.paper_generate`).
 
     Returns:
         metrics dict (`bleu`, `signature`, `tok_bleu`, `tok_signature`, `test_sentences`, `test_seconds`,
@@ -365,8 +371,16 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
     sources = [t[data_args.source_lang] for t in test_dataset["translation"]]
     references = [t[data_args.target_lang] for t in test_dataset["translation"]]
     start = time.perf_counter()
+    generate_fn = None
+    if length_penalty_style == "gnmt":
+        from vaswani_hf.decoding import paper_generate
+
+        def generate_fn(m, input_ids, attention_mask=None, **_):
+            return paper_generate(m, input_ids, attention_mask, num_beams=num_beams, alpha=length_penalty)
+    elif length_penalty_style != "hf":
+        raise ValueError(f"length_penalty_style must be 'hf' or 'gnmt', got {length_penalty_style!r}.")
     hypotheses = translate_sentences(model, tokenizer, sources, batch_size=batch_size, num_beams=num_beams,
-                                     length_penalty=length_penalty)
+                                     length_penalty=length_penalty, generate_fn=generate_fn)
     seconds = time.perf_counter() - start
     tok_refs = None
     if is_multi30k and data_args.target_lang in ("de", "en"):
@@ -383,6 +397,7 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
         "test_sentences_per_second": round(len(sources) / seconds, 2),
         "num_beams": num_beams,
         "length_penalty": length_penalty,
+        "length_penalty_style": length_penalty_style,
     }
     if "tok_bleu" in scores:
         metrics["test_tok_bleu"] = round(scores["tok_bleu"], 2)

@@ -51,6 +51,7 @@ from training.common import (
     token_budget_sampler,
 )
 from vaswani_hf import VaswaniForConditionalGeneration
+from vaswani_hf.data import example_lengths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
 logger = logging.getLogger("vaswani_hf.train")
@@ -102,7 +103,8 @@ class PaperTrainer(Seq2SeqTrainer):
 
 
 class TimeLimit(TrainerCallback):
-    """Stops training (after a checkpoint) once `minutes` have passed, and on SIGINT/SIGTERM."""
+    """Stops training (after a checkpoint) once `minutes` have passed, and on SIGINT/SIGTERM; always saves the last
+    step."""
 
     def __init__(self, minutes: float | None):
         self.deadline = time.monotonic() + minutes * 60 if minutes else None
@@ -125,6 +127,8 @@ class TimeLimit(TrainerCallback):
             signal.signal(signum, handler)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps and state.global_step >= state.max_steps:
+            control.should_save = True  # the last step is always a checkpoint (for averaging and resuming)
         if self.interrupted or (self.deadline and time.monotonic() > self.deadline):
             if not self.interrupted:
                 logger.info("Time limit reached at step %d: saving and stopping.", state.global_step)
@@ -156,6 +160,13 @@ def main(argv: list[str] | None = None) -> dict:
         training_args.bf16 = True  # autocast on the CPU: about 2-3x faster training where bf16 is native
         training_args.mixed_precision = "bf16"  # what Trainer hands to accelerate
         logger.info("Training in bf16 autocast on the CPU (--cpu_bf16 no for fp32).")
+    for key, value in preset.get("trainer", {}).items():  # the preset's Trainer settings, unless given
+        if key not in given:
+            setattr(training_args, key, value)
+    if recipe.max_train_minutes is None:
+        recipe.max_train_minutes = preset.get("max_train_minutes")
+    if data_args.max_eval_samples is None:
+        data_args.max_eval_samples = preset.get("max_eval_samples")
     max_tokens = data_args.max_tokens or preset["max_tokens"]
     lr_factor = recipe.lr_factor or preset["lr_factor"]
     check_distributed(training_args.world_size)
@@ -177,7 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
     if eval_dataset is None:
         training_args.eval_strategy = "no"
     training_args.generation_num_beams = training_args.generation_num_beams or model.generation_config.num_beams
-    training_args.generation_max_length = training_args.generation_max_length or (data_args.max_target_length + 50)
+    # Validation translations during training stop at 128 tokens (far above Multi30k's longest sentences), so that
+    # an early model that has not learnt to stop costs little; the final test uses input length + 50 (§6.1).
+    training_args.generation_max_length = training_args.generation_max_length or 128
 
     from vaswani_hf.bleu import load_bleu_metric
 
@@ -242,19 +255,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     metrics: dict = {k: v for k, v in train_result.metrics.items()}
     state = trainer.state
-    train_tokens = sum(log.get("num_tokens", 0) for log in state.log_history[-1:])
+    src_lengths, tgt_lengths = example_lengths(tokenized["train"])
+    tokens_per_epoch = int(src_lengths.sum() + tgt_lengths.sum())
     metrics.update({
         "preset": model_args.preset,
         "parameters": n_params,
         "train_steps": state.global_step,
+        "train_epochs": round(state.epoch or 0.0, 2),
         "train_minutes": round(train_seconds / 60, 2),
+        # Source + target tokens without padding: epochs (fractional) x tokens in one pass over the data.
+        "train_tokens_per_second": round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1),
         "max_tokens": max_tokens,
         "device": str(trainer.args.device),
+        "mixed_precision": training_args.mixed_precision,
         "torch_threads": torch.get_num_threads(),
         "averaged_checkpoints": recipe.average_last,
     })
-    if train_tokens:
-        metrics["train_tokens"] = train_tokens
 
     # Test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways; metrics.json.
     if trainer.is_world_process_zero():
