@@ -32,10 +32,10 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Fields of config.json that may differ between checkpoints of one run.
 _CONFIG_FIELDS_IGNORED = ("transformers_version", "_name_or_path")
-# Files of a Trainer checkpoint that are not part of the model: weights (written anew), optimizer, scheduler and RNG
-# states, Trainer state.
-_NOT_COPIED = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt)$|model\.safetensors\.index\.json$|trainer_state\.json$"
-                         r"|training_args\.bin$|rng_state.*")
+# Files of a Trainer (or accelerate save_state) checkpoint that are not part of the model: weights (written anew),
+# optimizer, scheduler and RNG states (pickles), Trainer state.
+_NOT_COPIED = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|pkl)$|model\.safetensors\.index\.json$"
+                         r"|trainer_state\.json$|training_args\.bin$|rng_state.*|random_states.*")
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 __all__ = ["average_checkpoints", "average_last_checkpoints", "find_checkpoints", "save_averaged_model"]
