@@ -52,7 +52,8 @@ REMOTE_SCRIPT = textwrap.dedent(
                 raise ImportError("vaswani_hf is hidden in this test")
 
     sys.meta_path.insert(0, Refuse())
-    sys.path = [p for p in sys.path if p not in ("", ".") and not p.startswith(sys.argv[2])]
+    # Drop the checkout itself (not paths below it: CI's virtual environment lives in the checkout's .venv).
+    sys.path = [p for p in sys.path if p not in ("", ".") and p.rstrip("/") != sys.argv[2].rstrip("/")]
     result = {}
     try:
         import vaswani_hf  # noqa: F401
