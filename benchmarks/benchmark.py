@@ -1,0 +1,643 @@
+"""Side-by-side speed and memory of VaswaniForConditionalGeneration and transformers' MarianMTModel at one size.
+
+Both models are built with identical sizes (same d_model, layers, heads, d_ff, shared vocabulary tied three ways,
+sinusoidal positions, ReLU, post-LN, sqrt(d_model) embedding scale, the same dropout; the same number of trained
+parameters) and fed the same random batch. Every measurement alternates the two models (ours, Marian, Marian, ours,
+...) so that load from other processes on the machine hits both alike, and reports medians and ours/Marian ratios;
+absolute numbers on a shared machine mean little. Three ratios are printed for each speed: `wall`, the ratio of the
+rates from the median wall-clock times; `paired`, the median over repetitions of the ratio of the two back-to-back
+calls of a repetition (they share the load of the moment); `CPU`, from the median process CPU times (user + system,
+all threads; less disturbed by other processes taking the cores, but it counts threads spinning while they wait).
+
+Measured:
+
+* training: tokens/s of a whole step (forward, backward, Adam step, zero_grad) in train mode with dropout. The loss
+  is the same on both: by default plain cross-entropy (`--label-smoothing 0`), which is what Marian's forward
+  computes from `labels` and what ours computes with `label_smoothing=0`; with `--label-smoothing 0.1` Marian is
+  called without labels and its loss is the same `F.cross_entropy(..., label_smoothing=0.1)` computed on its
+  logits, summed and divided by the number of labelled tokens, as ours does internally. Tokens are the labelled
+  (non-padding) target tokens of the batch, as fairseq's `wps` counts them.
+* peak training memory: CPU: in a fresh Python process per model and batch size, the model and its Adam optimizer
+  are built, then the peak resident set size (VmHWM) is reset to the current RSS by writing 5 to
+  /proc/self/clear_refs (Linux >= 4.0), two training steps run (the first creates Adam's state), and the peak is
+  read back from /proc/self/status. The number reported is that peak minus the RSS right before the steps: what
+  training adds on top of the built model (gradients, Adam state, activations, temporaries). The processes run with
+  MALLOC_MMAP_THRESHOLD_=131072, so that glibc returns freed tensors' memory at once and the resident set follows
+  the live tensors (by default it keeps freed memory around, which adds hundreds of MiB of noise). Where clear_refs
+  cannot be written it falls back to ru_maxrss minus that RSS (an upper bound of the same quantity) and says so.
+  CUDA: torch.cuda.max_memory_allocated() minus the allocated memory before the steps, also in a fresh process.
+* generation: sentences/s of `generate()` with beam 4 (length penalty 0.6) and greedy, with
+  `min_new_tokens = max_new_tokens` so that both models produce exactly the same number of tokens.
+* how cost grows: beam-search time against the number of new tokens (16 ... 256), and peak training memory
+  against batch tokens; written as a table, into the JSON file, and as a PNG plot (`--plot`).
+* on CUDA: training MFU, model FLOPs per second over the device's peak dense bf16 FLOP/s (a table of known GPUs;
+  `--peak-flops` for others). Model FLOPs of a training step are counted exactly for every matrix multiplication on
+  the padded batch (projections, Q K^T, softmax x V, FFN, output projection over all target positions), times 3
+  (the backward pass does two matmuls of the same size per forward matmul); the causal half of the decoder
+  self-attention is counted in full, and element-wise work is not counted. tests/test_benchmark.py checks this
+  count against torch.utils.flop_counter on the eager model.
+
+Usage (the acceptance check in the README, paper base dims, vocabulary 8000):
+
+    python benchmarks/benchmark.py --vocab-size 8000 --output /tmp/bench.json --plot /tmp/bench.png
+
+`--quick` runs a tiny model in seconds (the test uses it). `--device cuda --dtype bf16` runs under bf16 autocast
+on a GPU (not yet run on one). On a CPU shared with other work, `--threads 1` gives steadier numbers: intra-op
+threads that wait for each other while another process holds a core can make single calls many times slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from transformers import GenerationConfig, MarianConfig, MarianMTModel  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from vaswani_hf.configuration_vaswani import VaswaniConfig  # noqa: E402
+from vaswani_hf.modeling_vaswani import VaswaniForConditionalGeneration  # noqa: E402
+
+hf_logging.set_verbosity_error()
+
+MODELS = ("ours", "marian")
+PAD, BOS, EOS = 0, 1, 2
+
+# Peak dense (no sparsity) bf16 tensor FLOP/s, from the vendors' data sheets. Matched against
+# torch.cuda.get_device_name() in order; override with --peak-flops.
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+# Models and inputs ---------------------------------------------------------------------------------------------------
+
+
+def build_model(name: str, args) -> torch.nn.Module:
+    """Our model or MarianMTModel with the sizes in `args`, on `args.device`, fp32 weights (bf16 runs autocast)."""
+    common = dict(dropout=args.dropout, attention_dropout=0.0, activation_dropout=0.0,
+                  max_position_embeddings=args.max_positions)
+    if name == "ours":
+        config = VaswaniConfig(
+            vocab_size=args.vocab_size, d_model=args.d_model, encoder_layers=args.layers, decoder_layers=args.layers,
+            num_heads=args.heads, d_ff=args.d_ff, activation_function="relu", scale_embedding=True,
+            share_encoder_decoder_embeddings=True, tie_word_embeddings=True, label_smoothing=args.label_smoothing,
+            pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS, **common)
+        model = VaswaniForConditionalGeneration(config)
+    else:
+        config = MarianConfig(
+            vocab_size=args.vocab_size, decoder_vocab_size=args.vocab_size, d_model=args.d_model,
+            encoder_layers=args.layers, decoder_layers=args.layers, encoder_attention_heads=args.heads,
+            decoder_attention_heads=args.heads, encoder_ffn_dim=args.d_ff, decoder_ffn_dim=args.d_ff,
+            activation_function="relu", scale_embedding=True, share_encoder_decoder_embeddings=True,
+            tie_word_embeddings=True, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+            pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS,
+            forced_eos_token_id=None, **common)
+        model = MarianMTModel(config)
+    model.config._attn_implementation = args.attn
+    for module in model.modules():  # some transformers versions cache it per submodule config
+        if hasattr(module, "config") and module.config is not model.config:
+            module.config._attn_implementation = args.attn
+    return model.to(args.device)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Trainable parameters (tied weights count once; Marian's frozen sinusoidal tables are not trained)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def make_batch(args, batch_tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random batch of about `batch_tokens` target tokens: sentences padded to `--src-len`/`--tgt-len`, their real
+    lengths uniform in [`--min-len-fraction` x length, length], ids in [3, vocab), labels ending in </s>, -100 on
+    padding; the same for both models."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = max(1, batch_tokens // args.tgt_len)
+
+    def lengths(full: int) -> torch.Tensor:
+        low = max(1, int(math.ceil(args.min_len_fraction * full)))
+        return torch.randint(low, full + 1, (batch,), generator=generator)
+
+    src_lengths, tgt_lengths = lengths(args.src_len), lengths(args.tgt_len)
+    src_lengths[0], tgt_lengths[0] = args.src_len, args.tgt_len  # the batch is as long as its longest sentence
+    input_ids = torch.randint(3, args.vocab_size, (batch, args.src_len), generator=generator)
+    attention_mask = (torch.arange(args.src_len)[None, :] < src_lengths[:, None]).long()
+    input_ids = input_ids.masked_fill(attention_mask.eq(0), PAD)
+    input_ids[torch.arange(batch), src_lengths - 1] = EOS
+    labels = torch.randint(3, args.vocab_size, (batch, args.tgt_len), generator=generator)
+    labels[torch.arange(batch), tgt_lengths - 1] = EOS
+    labels = labels.masked_fill(torch.arange(args.tgt_len)[None, :] >= tgt_lengths[:, None], -100)
+    return {"input_ids": input_ids.to(args.device), "attention_mask": attention_mask.to(args.device),
+            "labels": labels.to(args.device)}
+
+
+def generation_inputs(args, batch: int) -> dict[str, torch.Tensor]:
+    data = make_batch(args, batch * args.tgt_len, seed=1)
+    return {"input_ids": data["input_ids"][:batch], "attention_mask": data["attention_mask"][:batch]}
+
+
+def autocast(args):
+    if args.dtype == "bf16":
+        return torch.autocast(device_type=args.device, dtype=torch.bfloat16)
+    return torch.autocast(device_type=args.device, enabled=False)
+
+
+def synchronize(args) -> None:
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+# Training -------------------------------------------------------------------------------------------------------------
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)  # §5.3
+
+
+def training_step(name: str, model, optimizer, batch, args) -> float:
+    """One forward/backward/Adam step with the same loss on both models; returns the loss."""
+    with autocast(args):
+        if name == "marian" and args.label_smoothing > 0:
+            # Marian's own loss is plain CE; compute the same label-smoothed sum / count that ours computes.
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        decoder_input_ids=model.prepare_decoder_input_ids_from_labels(batch["labels"]))
+            labels = batch["labels"]
+            loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                   reduction="sum", label_smoothing=args.label_smoothing) / labels.ne(-100).sum()
+        else:
+            loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def interleaved(functions: dict, repetitions: int, warmup: int, args) -> dict[str, dict[str, list[float]]]:
+    """Seconds per call of each function, alternating their order every repetition (A B, B A, ...), after `warmup`
+    calls of each. Returns wall-clock seconds and this process's CPU seconds (user + system, all threads) per call:
+    the CPU time is less disturbed by other processes taking the cores, the wall time is what a user waits."""
+    names = list(functions)
+    for _ in range(warmup):
+        for name in names:
+            functions[name]()
+    times = {name: {"wall": [], "cpu": []} for name in names}
+    for rep in range(repetitions):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            synchronize(args)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            functions[name]()
+            synchronize(args)
+            times[name]["wall"].append(time.perf_counter() - start)
+            times[name]["cpu"].append(time.process_time() - cpu_start)
+    return times
+
+
+def summarize(times: dict, work: float, unit: str) -> dict:
+    """Per model: the seconds, `unit` per second from the median wall time (and from the median CPU time); and
+    ours/Marian ratios of those rates (> 1: ours is faster)."""
+    result = {}
+    for name, measured in times.items():
+        result[name] = {"seconds": measured["wall"], "cpu_seconds": measured["cpu"],
+                        unit: work / statistics.median(measured["wall"]),
+                        f"{unit}_cpu": work / statistics.median(measured["cpu"])}
+    result["ratio"] = result["ours"][unit] / result["marian"][unit]
+    result["ratio_cpu"] = result["ours"][f"{unit}_cpu"] / result["marian"][f"{unit}_cpu"]
+    # Each repetition's two calls run back to back, so they share the machine's load of the moment: the median of
+    # the per-repetition ratios resists load bursts better than the ratio of the medians.
+    result["ratio_paired"] = statistics.median(
+        marian / ours for ours, marian in zip(times["ours"]["wall"], times["marian"]["wall"], strict=True))
+    result["ratio_best"] = min(times["marian"]["wall"]) / min(times["ours"]["wall"])
+    return result
+
+
+def bench_training(models, args) -> dict:
+    batch = make_batch(args, args.batch_tokens)
+    tokens = int(batch["labels"].ne(-100).sum())
+    optimizers = {name: make_optimizer(model) for name, model in models.items()}
+    for model in models.values():
+        model.train()
+    losses = {}
+
+    def step(name):
+        return lambda: losses.__setitem__(name, training_step(name, models[name], optimizers[name], batch, args))
+
+    times = interleaved({name: step(name) for name in models}, args.train_reps, 1, args)
+    for optimizer in optimizers.values():
+        optimizer.state.clear()
+    del optimizers
+    gc.collect()
+    result = summarize(times, tokens, "tokens_per_s")
+    for name in models:
+        result[name]["last_loss"] = losses[name]
+    result["target_tokens_per_step"] = tokens
+    result["batch_shape"] = list(batch["labels"].shape)
+    result["source_length"] = batch["input_ids"].shape[1]
+    if args.device == "cuda":
+        flops = training_flops(args, batch["input_ids"].shape, batch["labels"].shape)
+        peak = peak_flops(args)
+        for name in models:
+            achieved = flops / statistics.median(times[name]["wall"])
+            result[name]["model_flops_per_s"] = achieved
+            result[name]["mfu"] = achieved / peak if peak else None
+        result["flops_per_step"] = flops
+        result["peak_flops"] = peak
+    return result
+
+
+def training_flops(args, src_shape, tgt_shape) -> float:
+    """Matmul FLOPs of one training step on the padded batch (see the module docstring): 3 x forward."""
+    (batch, s), (_, t) = src_shape, tgt_shape
+    d, f, v, n = args.d_model, args.d_ff, args.vocab_size, args.layers
+    encoder = 2 * batch * s * (3 * d * d + d * d + 2 * d * f) + 2 * 2 * batch * s * s * d
+    decoder = (2 * batch * t * (3 * d * d + d * d + d * d + d * d + 2 * d * f) + 2 * batch * s * 2 * d * d
+               + 2 * 2 * batch * t * t * d + 2 * 2 * batch * t * s * d)
+    head = 2 * batch * t * d * v
+    return 3.0 * (n * encoder + n * decoder + head)
+
+
+def peak_flops(args) -> float | None:
+    if args.peak_flops:
+        return args.peak_flops
+    if args.device != "cuda":
+        return None
+    device_name = torch.cuda.get_device_name()
+    for key, value in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return value
+    return None
+
+
+# Memory ---------------------------------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_child(args) -> dict:
+    """Run in a fresh process: peak memory that two training steps add on top of the built model."""
+    torch.manual_seed(0)
+    model = build_model(args.memory_child, args).train()
+    optimizer = make_optimizer(model)
+    batch = make_batch(args, args.batch_tokens)
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        for _ in range(2):
+            training_step(args.memory_child, model, optimizer, batch, args)
+        torch.cuda.synchronize()
+        return {"peak_bytes": torch.cuda.max_memory_allocated() - before, "method": "cuda max_memory_allocated"}
+    before = _rss_bytes()
+    exact = _reset_peak_rss()
+    for _ in range(2):
+        training_step(args.memory_child, model, optimizer, batch, args)
+    peak = _peak_rss_bytes() if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_bytes": peak - before,
+            "method": "VmHWM after clear_refs" if exact else "ru_maxrss (upper bound; clear_refs not writable)"}
+
+
+def start_memory_child(name: str, batch_tokens: int, args) -> subprocess.Popen:
+    """Start a fresh interpreter running `memory_child` for one model and batch size."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--memory-child", name,
+               "--batch-tokens", str(batch_tokens)] + _size_arguments(args)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # glibc serves blocks >= 128 KiB with mmap and gives them back on free, so that the resident set follows the live
+    # tensors; by default it raises that threshold after frees and keeps freed tensors' memory, which adds hundreds
+    # of MiB of run-to-run noise to peak RSS.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish_memory_child(name: str, child: subprocess.Popen) -> dict:
+    stdout, stderr = child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError(f"memory measurement of {name} failed:\n{stderr[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _size_arguments(args) -> list[str]:
+    pairs = {"--vocab-size": args.vocab_size, "--d-model": args.d_model, "--layers": args.layers,
+             "--heads": args.heads, "--d-ff": args.d_ff, "--src-len": args.src_len, "--tgt-len": args.tgt_len,
+             "--min-len-fraction": args.min_len_fraction, "--dropout": args.dropout,
+             "--label-smoothing": args.label_smoothing, "--device": args.device, "--dtype": args.dtype,
+             "--attn": args.attn, "--max-positions": args.max_positions, "--threads": args.threads}
+    return [str(item) for pair in pairs.items() for item in pair]
+
+
+def bench_memory(args) -> tuple[dict, list[dict]]:
+    """Peak training memory at `--batch-tokens` and at each of `--memory-batch-tokens`. The two models' processes
+    of one size run at the same time (each measures only itself; on CUDA they run one after the other)."""
+    sizes = sorted(set(args.memory_batch_tokens) | {args.batch_tokens})
+    rows = []
+    for tokens in sizes:
+        row = {"batch_tokens": tokens}
+        if args.device == "cuda":
+            measured = {name: finish_memory_child(name, start_memory_child(name, tokens, args)) for name in MODELS}
+        else:
+            children = {name: start_memory_child(name, tokens, args) for name in MODELS}
+            measured = {name: finish_memory_child(name, child) for name, child in children.items()}
+        for name in MODELS:
+            row[f"{name}_mib"] = measured[name]["peak_bytes"] / 2**20
+        row["method"] = measured["ours"]["method"]
+        row["ratio"] = row["ours_mib"] / row["marian_mib"]
+        rows.append(row)
+    main = next(row for row in rows if row["batch_tokens"] == args.batch_tokens)
+    return main, rows
+
+
+# Generation -----------------------------------------------------------------------------------------------------------
+
+
+def generation_config(args, new_tokens: int, beams: int) -> GenerationConfig:
+    return GenerationConfig(
+        num_beams=beams, do_sample=False, length_penalty=0.6 if beams > 1 else 1.0, early_stopping=beams > 1,
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_return_sequences=1, use_cache=True,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=BOS)
+
+
+def generate_fn(model, inputs, config, args):
+    def run():
+        with torch.inference_mode(), autocast(args):
+            out = model.generate(**inputs, generation_config=config)
+        expected = config.max_new_tokens + 1  # + the start token
+        if out.shape[1] != expected:
+            raise RuntimeError(f"generate() returned {out.shape[1]} positions, expected {expected}")
+    return run
+
+
+def bench_generation(models, args, beams: int, new_tokens: int, batch: int, repetitions: int,
+                     warmup: int = 1) -> dict:
+    inputs = generation_inputs(args, batch)
+    config = generation_config(args, new_tokens, beams)
+    for model in models.values():
+        model.eval()
+    times = interleaved({name: generate_fn(model, inputs, config, args) for name, model in models.items()},
+                        repetitions, warmup, args)
+    result = summarize(times, batch, "sentences_per_s")
+    result.update(batch=batch, new_tokens=new_tokens, beams=beams)
+    return result
+
+
+def bench_generation_scaling(models, args) -> list[dict]:
+    """generate() time against the number of new tokens; the models are warm from the measurements before."""
+    rows = []
+    for new_tokens in args.scaling_lengths:
+        measured = bench_generation(models, args, args.scaling_beams, new_tokens, args.scaling_batch,
+                                    args.scaling_reps, warmup=0)
+        rows.append({"new_tokens": new_tokens,
+                     "ours_s": statistics.median(measured["ours"]["seconds"]),
+                     "marian_s": statistics.median(measured["marian"]["seconds"]),
+                     "ours_cpu_s": statistics.median(measured["ours"]["cpu_seconds"]),
+                     "marian_cpu_s": statistics.median(measured["marian"]["cpu_seconds"]),
+                     "ratio": measured["ratio"], "ratio_cpu": measured["ratio_cpu"],
+                     "ratio_paired": measured["ratio_paired"]})
+    return rows
+
+
+# Report ---------------------------------------------------------------------------------------------------------------
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    generation = results["generation_scaling"]
+    lengths = [row["new_tokens"] for row in generation]
+    for name, label in (("ours", "ours (Vaswani)"), ("marian", "MarianMTModel")):
+        left.plot(lengths, [row[f"{name}_s"] for row in generation], marker="o", label=label)
+    left.set(xscale="log", yscale="log", xlabel="new tokens", ylabel="seconds per generate()",
+             title=f"beam {args_beams(results)} x batch {results['settings']['scaling_batch']}")
+    left.set_xticks(lengths, [str(n) for n in lengths])
+    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    left.legend()
+    memory = results["memory_scaling"]
+    tokens = [row["batch_tokens"] for row in memory]
+    for name, label in (("ours", "ours (Vaswani)"), ("marian", "MarianMTModel")):
+        right.plot(tokens, [row[f"{name}_mib"] for row in memory], marker="o", label=label)
+    right.set(xlabel="batch target tokens", ylabel="peak training memory added (MiB)",
+              title="training step, Adam")
+    right.legend()
+    settings = results["settings"]
+    fig.suptitle(f"d_model {settings['d_model']}, {settings['layers']}+{settings['layers']} layers, "
+                 f"vocab {settings['vocab_size']}, {results['device']} {settings['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def args_beams(results: dict) -> int:
+    return results["settings"]["scaling_beams"]
+
+
+def print_report(results: dict) -> None:
+    train, memory = results["training"], results["memory"]
+    beam, greedy = results["beam"], results["greedy"]
+    print()
+    print("ours/Marian: > 1 means ours is faster (rates) or uses more memory (MiB). wall: ratio of the median "
+          "wall-clock rates; paired: median of the per-repetition ratios of back-to-back calls; CPU: ratio of the "
+          "median process CPU times.")
+    print(f"{'measure':50s} {'ours':>9s} {'Marian':>9s} {'wall':>6s} {'paired':>6s} {'CPU':>6s}")
+    rows = [
+        (f"training tokens/s ({train['batch_shape'][0]}x{train['batch_shape'][1]}, "
+         f"{train['target_tokens_per_step']} target tokens)", train, "tokens_per_s"),
+        (f"beam-{beam['beams']} sentences/s ({beam['batch']} sentences, {beam['new_tokens']} new tokens)",
+         beam, "sentences_per_s"),
+        (f"greedy sentences/s ({greedy['batch']} sentences, {greedy['new_tokens']} new tokens)",
+         greedy, "sentences_per_s"),
+    ]
+    for label, measured, unit in rows:
+        print(f"{label:50s} {measured['ours'][unit]:9.2f} {measured['marian'][unit]:9.2f} {measured['ratio']:6.2f} "
+              f"{measured['ratio_paired']:6.2f} {measured['ratio_cpu']:6.2f}")
+    print(f"{'peak training memory added, MiB (' + str(memory['batch_tokens']) + ' tokens)':50s} "
+          f"{memory['ours_mib']:9.1f} {memory['marian_mib']:9.1f} {memory['ratio']:6.3f}")
+    if "mfu" in train["ours"]:
+        for name in MODELS:
+            mfu = train[name]["mfu"]
+            print(f"training MFU {name}: " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown peak") +
+                  f" ({train[name]['model_flops_per_s'] / 1e12:.1f} TFLOP/s; {train['flops_per_step']:.3g} "
+                  "FLOPs/step = 3 x forward matmul FLOPs on the padded batch)")
+    settings = results["settings"]
+    print()
+    print(f"beam-{settings['scaling_beams']} generate() seconds against new tokens "
+          f"({settings['scaling_batch']} sentences; median wall; ratio = Marian time / ours):")
+    print(f"{'new tokens':>10s} {'ours s':>10s} {'Marian s':>10s} {'wall':>6s} {'paired':>6s} {'CPU':>6s}")
+    for row in results["generation_scaling"]:
+        print(f"{row['new_tokens']:10d} {row['ours_s']:10.3f} {row['marian_s']:10.3f} {row['ratio']:6.2f} "
+              f"{row['ratio_paired']:6.2f} {row['ratio_cpu']:6.2f}")
+    print()
+    print(f"peak training memory added (MiB) against batch tokens [{memory['method']}]:")
+    print(f"{'tokens':>10s} {'ours':>10s} {'Marian':>10s} {'ours/Marian':>12s}")
+    for row in results["memory_scaling"]:
+        print(f"{row['batch_tokens']:10d} {row['ours_mib']:10.1f} {row['marian_mib']:10.1f} {row['ratio']:12.3f}")
+
+
+# Command line ---------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    size = parser.add_argument_group("model size (both models)")
+    size.add_argument("--vocab-size", type=int, default=8000)
+    size.add_argument("--d-model", type=int, default=512)
+    size.add_argument("--layers", type=int, default=6, help="encoder layers = decoder layers")
+    size.add_argument("--heads", type=int, default=8)
+    size.add_argument("--d-ff", type=int, default=2048)
+    size.add_argument("--dropout", type=float, default=0.1)
+    size.add_argument("--label-smoothing", type=float, default=0.0,
+                      help="0: plain CE on both; > 0: the same label-smoothed CE on both")
+    size.add_argument("--max-positions", type=int, default=512)
+    size.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation, both")
+    data = parser.add_argument_group("inputs")
+    data.add_argument("--batch-tokens", type=int, default=2048, help="target tokens (padded) per training batch")
+    data.add_argument("--src-len", type=int, default=32, help="padded source length")
+    data.add_argument("--tgt-len", type=int, default=32, help="padded target length")
+    data.add_argument("--min-len-fraction", type=float, default=0.75,
+                      help="real sentence lengths are uniform in [fraction x padded length, padded length]")
+    data.add_argument("--gen-batch", type=int, default=16, help="sentences per generate() call")
+    data.add_argument("--gen-new-tokens", type=int, default=32)
+    run = parser.add_argument_group("run")
+    run.add_argument("--train-reps", type=int, default=5)
+    run.add_argument("--gen-reps", type=int, default=5)
+    run.add_argument("--memory-batch-tokens", type=int, nargs="*", default=[1024, 2048, 4096])
+    run.add_argument("--scaling-lengths", type=int, nargs="*", default=[16, 32, 64, 128, 256])
+    run.add_argument("--scaling-batch", type=int, default=4)
+    run.add_argument("--scaling-beams", type=int, default=4)
+    run.add_argument("--scaling-reps", type=int, default=2)
+    run.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    run.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="bf16 runs under torch.autocast")
+    run.add_argument("--threads", type=int, default=0,
+                     help="torch intra-op threads (0: torch's default, one per core; --quick uses 1)")
+    run.add_argument("--peak-flops", type=float, default=None, help="device peak FLOP/s for MFU (CUDA)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--quick", action="store_true", help="a tiny model and few repetitions (seconds)")
+    run.add_argument("--output", default="benchmark.json", help="JSON file with all measurements")
+    run.add_argument("--plot", default=None, help="PNG file for the scaling plots")
+    parser.add_argument("--memory-child", default=None, choices=MODELS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.vocab_size, args.d_model, args.layers, args.heads, args.d_ff = 256, 32, 2, 4, 64
+        args.batch_tokens, args.src_len, args.tgt_len = 64, 8, 8
+        args.gen_batch, args.gen_new_tokens = 2, 4
+        args.train_reps = args.gen_reps = 2
+        args.memory_batch_tokens = []
+        args.scaling_lengths, args.scaling_batch, args.scaling_reps = [2, 4], 2, 1
+        args.threads = args.threads or 1  # a tiny model gains nothing from threads, and spinning ones cost much
+    args.max_positions = max(args.max_positions, args.src_len, args.tgt_len,
+                             max(args.scaling_lengths + [args.gen_new_tokens]) + 2)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    if args.dtype == "bf16" and args.device == "cpu":
+        print("note: bf16 autocast on CPU is slow on CPUs without bf16 units", file=sys.stderr)
+    return args
+
+
+def progress(label: str, result: dict) -> None:
+    print(f"{label}: ours/Marian {result['ratio']:.2f} (wall), {result['ratio_paired']:.2f} (paired), "
+          f"{result['ratio_cpu']:.2f} (CPU)", flush=True)
+
+
+def device_name(args) -> str:
+    if args.device == "cuda":
+        return torch.cuda.get_device_name()
+    name = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu: {os.cpu_count()} x {name}"
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_child:
+        print(json.dumps(memory_child(args)))
+        return None
+    torch.manual_seed(args.seed)
+    models = {name: build_model(name, args) for name in MODELS}
+    parameters = {name: count_parameters(model) for name, model in models.items()}
+    device = device_name(args)
+    print(f"device {device}, {torch.get_num_threads()} threads, torch {torch.__version__}; parameters "
+          f"ours {parameters['ours']:,}, Marian {parameters['marian']:,}", flush=True)
+    started = time.perf_counter()
+    results = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "parameters": parameters, "settings": {k: v for k, v in vars(args).items() if k != "memory_child"}}
+    import transformers
+
+    results["transformers"] = transformers.__version__
+    results["training"] = bench_training(models, args)
+    progress("training tokens/s", results["training"])
+    results["beam"] = bench_generation(models, args, 4, args.gen_new_tokens, args.gen_batch, args.gen_reps)
+    progress("beam-4 sentences/s", results["beam"])
+    results["greedy"] = bench_generation(models, args, 1, args.gen_new_tokens, args.gen_batch, args.gen_reps)
+    progress("greedy sentences/s", results["greedy"])
+    results["generation_scaling"] = bench_generation_scaling(models, args)
+    del models
+    gc.collect()
+    results["memory"], results["memory_scaling"] = bench_memory(args)
+    results["seconds"] = time.perf_counter() - started
+    print_report(results)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(results, indent=2))
+    if args.plot:
+        plot(results, args.plot)
+    print(f"\nwrote {args.output}" + (f" and {args.plot}" if args.plot else "") + f" ({results['seconds']:.0f} s)")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""benchmarks/benchmark.py: it runs end to end on a tiny size and writes what it promises; its FLOP count is exact.
+
+No timing is asserted here: timings belong to the benchmark's own output (ratios measured in one run).
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "benchmark.py"
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("vaswani_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("benchmark")
+    output, plot = folder / "bench.json", folder / "bench.png"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--output", str(output), "--plot", str(plot)],
+                          capture_output=True, text=True, timeout=600, cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ours/Marian" in done.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads(output.read_text())
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+def test_quick_run_writes_every_measurement(quick_run):
+    results = quick_run
+    # identical sizes: the same number of trained parameters (Marian's frozen sinusoidal tables are not trained)
+    assert results["parameters"]["ours"] == results["parameters"]["marian"] > 0
+    train = results["training"]
+    for name in ("ours", "marian"):
+        assert positive(train[name]["tokens_per_s"]) and positive(train[name]["tokens_per_s_cpu"])
+        assert len(train[name]["seconds"]) == results["settings"]["train_reps"]
+        assert all(positive(s) for s in train[name]["seconds"] + train[name]["cpu_seconds"])
+        assert positive(train[name]["last_loss"])
+    assert positive(train["ratio"]) and positive(train["ratio_cpu"]) and positive(train["target_tokens_per_step"])
+    for part, beams in (("beam", 4), ("greedy", 1)):
+        measured = results[part]
+        assert measured["beams"] == beams and positive(measured["ratio"]) and positive(measured["ratio_cpu"])
+        for name in ("ours", "marian"):
+            assert positive(measured[name]["sentences_per_s"])
+    memory = results["memory"]
+    assert positive(memory["ours_mib"]) and positive(memory["marian_mib"]) and positive(memory["ratio"])
+    assert memory["batch_tokens"] == results["settings"]["batch_tokens"]
+    rows = results["generation_scaling"]
+    assert [row["new_tokens"] for row in rows] == results["settings"]["scaling_lengths"]
+    assert all(positive(row["ours_s"]) and positive(row["marian_s"]) and positive(row["ratio"]) for row in rows)
+    assert all(positive(row["ours_mib"]) and positive(row["marian_mib"]) for row in results["memory_scaling"])
+
+
+def test_models_are_built_with_identical_sizes():
+    benchmark = load_benchmark()
+    args = benchmark.parse_args(["--quick"])
+    ours, marian = (benchmark.build_model(name, args) for name in benchmark.MODELS)
+
+    # Every weight matrix of Marian (q, k, v separate) is a block of one of ours (qkv_proj, kv_proj fused).
+    ours_rows = sum(p.shape[0] for p in ours.parameters() if p.dim() == 2)
+    marian_rows = sum(p.shape[0] for p in marian.parameters() if p.dim() == 2 and p.requires_grad)
+    assert ours_rows == marian_rows
+    assert benchmark.count_parameters(ours) == benchmark.count_parameters(marian)
+    assert marian.config.activation_function == ours.config.activation_function == "relu"
+    assert marian.config.scale_embedding and ours.config.scale_embedding
+    assert marian.config.decoder_start_token_id == ours.config.decoder_start_token_id
+    assert marian.config.pad_token_id == ours.config.pad_token_id
+
+
+def test_same_batch_for_both_models_with_padding_and_labels():
+    benchmark = load_benchmark()
+    args = benchmark.parse_args(["--quick"])
+    first, again = benchmark.make_batch(args, 64), benchmark.make_batch(args, 64)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    labels, mask = first["labels"], first["attention_mask"]
+    assert labels.shape == (64 // args.tgt_len, args.tgt_len)
+    assert labels.eq(-100).any() and mask.eq(0).any()  # some padding on both sides
+    assert first["input_ids"].masked_select(mask.eq(0)).eq(benchmark.PAD).all()
+
+
+def test_training_flops_count_every_matmul_exactly():
+    """The MFU numerator: `training_flops` equals torch's FLOP counter on a forward + backward of our model (eager
+    attention, whose matmuls the counter sees one by one; dropout off)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    benchmark = load_benchmark()
+    args = benchmark.parse_args(["--quick", "--attn", "eager", "--dropout", "0"])
+    model = benchmark.build_model("ours", args).train()
+    batch = benchmark.make_batch(args, args.batch_tokens)
+    with FlopCounterMode(display=False) as counter:
+        model(**batch).loss.backward()
+    assert counter.get_total_flops() == benchmark.training_flops(args, batch["input_ids"].shape,
+                                                                 batch["labels"].shape)
