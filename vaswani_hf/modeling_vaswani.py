@@ -195,13 +195,16 @@ class VaswaniAttention(nn.Module):
         """
         Args:
             hidden_states: `(B, T, D)` queries (and keys/values for self-attention).
-            key_value_states: `(B, S, D)` encoder output for encoder-decoder attention, else `None`.
-            attention_mask: additive `(B, 1, T, T_k)` mask or `None`.
+            key_value_states: `(B, S, D)` encoder output for encoder-decoder attention, else `None`. It may also be
+                `(B / k, S, D)`: one encoder row shared by k consecutive decoder rows, as `generate()` passes it for
+                the k beams (or samples) of each sentence (see `_grouped`).
+            attention_mask: additive `(B, 1, T, T_k)` mask or `None` (`(B / k, 1, T, S)` with a shared encoder row).
             past_key_values: an `EncoderDecoderCache` during incremental decoding.
         Returns:
             `(B, T, D)` output and, if `output_attentions`, the `(B, H, T, T_k)` attention probabilities.
         """
         batch, length = hidden_states.shape[:2]
+        groups = 1
         if self.is_cross_attention:
             (query,) = self._heads(self.q_proj(hidden_states))
             cache = past_key_values.cross_attention_cache if past_key_values is not None else None
@@ -212,6 +215,8 @@ class VaswaniAttention(nn.Module):
                 if cache is not None:
                     key, value = cache.update(key, value, self.layer_idx)
                     past_key_values.is_updated[self.layer_idx] = True
+            if key.shape[0] != batch:
+                query, attention_mask, groups = self._grouped(query, key, attention_mask)
         else:
             query, key, value = self._heads(self.qkv_proj(hidden_states))  # each (B, H, T, Dh)
             if past_key_values is not None:
@@ -234,8 +239,35 @@ class VaswaniAttention(nn.Module):
             dropout=self.dropout if self.training else 0.0,
             **kwargs,
         )
-        output = self.out_proj(output.reshape(batch, length, self.d_model))
+        output = self.out_proj(output.reshape(batch, length, self.d_model))  # (B / k, k * T, H, Dh) is (B, T, D)
+        if output_attentions and groups > 1:  # (B / k, H, k * T, S) -> (B, H, T, S)
+            probs = probs.unflatten(2, (groups, length)).transpose(1, 2).flatten(0, 1)
         return output, (probs if output_attentions else None)
+
+    def _grouped(self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None):
+        """Queries of k decoder rows that share one encoder row, as k * T queries of that row.
+
+        `generate()` runs k = `num_beams` (or `num_return_sequences`) hypotheses per sentence, and
+        `_expand_inputs_for_generation` keeps the encoder output at one row per sentence. Attending with the
+        k hypotheses' queries together, `(B / k, H, k * T, Dh)`, against the sentence's keys and values computes the
+        same attention (encoder-decoder attention has no causal mask, and its padding mask is the same for every
+        query) while the keys and values are projected, cached and read once per sentence instead of k times.
+
+        Returns:
+            the grouped query, the padding mask for it (`(B / k, 1, 1, S)`, or `None`), and k.
+        """
+        batch, rows = query.shape[0], key.shape[0]
+        if batch % rows:
+            raise ValueError(
+                f"Encoder-decoder attention got {batch} decoder rows for {rows} encoder rows; the decoder batch must "
+                "equal the encoder batch, or be a multiple of it with each encoder row shared by consecutive decoder "
+                "rows (as generate() does for beams)."
+            )
+        groups = batch // rows
+        query = query.unflatten(0, (rows, groups)).transpose(1, 2).flatten(2, 3)  # (B / k, H, k * T, Dh)
+        if attention_mask is not None:
+            attention_mask = attention_mask[:, :, :1]  # a padding mask: one row serves every query
+        return query, attention_mask, groups
 
 
 # §3.1 Encoder and decoder layers -------------------------------------------------------------------------------------
@@ -782,6 +814,39 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         sequences[:, 1:].masked_fill_(after, int(pad))
         return outputs
 
+    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False,
+                                      input_ids: torch.LongTensor | None = None, **model_kwargs):
+        """`generate()`'s hook that repeats every input `expand_size` times (once per beam or returned sample).
+
+        The decoder input is repeated, but the encoder output and its padding mask keep one row per sentence:
+        encoder-decoder attention groups the hypotheses of a sentence (`VaswaniAttention._grouped`), so its keys and
+        values are projected, cached and read once per sentence rather than once per beam.
+        """
+        encoder_outputs = model_kwargs.get("encoder_outputs")
+        encoder_states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
+        encoder_mask = model_kwargs.get("attention_mask")
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, input_ids=input_ids, **model_kwargs)
+        if expand_size > 1 and is_encoder_decoder and torch.is_tensor(encoder_states):
+            model_kwargs["encoder_outputs"]["last_hidden_state"] = encoder_states
+            if encoder_mask is not None:
+                model_kwargs["attention_mask"] = encoder_mask
+        return input_ids, model_kwargs
+
+    def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
+        """Beam search's hook to follow the surviving beams (`generate()` calls it after every step).
+
+        Only the self-attention cache moves. Beams never leave their sentence, and the encoder-decoder attention cache
+        holds one row per sentence (see `_expand_inputs_for_generation`), the same for all its beams: the default
+        would gather it too, failing on its rows, or, with one row per beam, copying
+        `decoder_layers x 2 x (B * beams, H, S, Dh)` floats per step for nothing.
+        """
+        if isinstance(past_key_values, EncoderDecoderCache):
+            past_key_values.self_attention_cache.reorder_cache(beam_idx)
+        else:
+            past_key_values.reorder_cache(beam_idx)
+        return past_key_values
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
@@ -816,6 +881,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> Seq2SeqLMOutput:
         """
@@ -826,10 +892,13 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             num_items_in_batch: the number of labelled tokens in the whole (accumulated, all-device) batch, as
                 Trainer passes it; the loss is then a sum divided by this count, which keeps gradient
                 accumulation exact.
+            logits_to_keep: without `labels`, project only the last `logits_to_keep` target positions (an int; 0, the
+                default, keeps all) or the positions in a 1-D index tensor to the vocabulary. `generate()` passes 1,
+                which matters when the decoder starts from a forced prefix of several tokens. Ignored with `labels`.
         Returns:
-            `Seq2SeqLMOutput` with `logits` `(B, T, V)` and, with `labels`, `loss`: the mean over labelled tokens of
-            the cross-entropy with label smoothing `config.label_smoothing` (§5.4; epsilon spread uniformly over the
-            vocabulary, torch's definition).
+            `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the mean
+            over labelled tokens of the cross-entropy with label smoothing `config.label_smoothing` (§5.4; epsilon
+            spread uniformly over the vocabulary, torch's definition).
         """
         if labels is not None:
             use_cache = False
@@ -849,7 +918,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )
-        logits = self.lm_head(outputs.last_hidden_state)  # (B, T, V)
+        hidden_states = outputs.last_hidden_state
+        if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            hidden_states = hidden_states[:, kept]
+        logits = self.lm_head(hidden_states)  # (B, T, V)
         loss = None
         if labels is not None:
             loss = self.loss(logits, labels, num_items_in_batch)
