@@ -92,6 +92,7 @@ PEAK_BF16_FLOPS = (
     ("A10G", 70e12),
     ("A10", 125e12),
     ("L40S", 362e12),
+    ("L40", 181e12),
     ("L4", 121e12),
     ("RTX 4090", 165e12),
     ("RTX 3090", 71e12),
@@ -470,7 +471,7 @@ def plot(results: dict, path: str) -> None:
     right.legend()
     settings = results["settings"]
     fig.suptitle(f"d_model {settings['d_model']}, {settings['layers']}+{settings['layers']} layers, "
-                 f"vocab {settings['vocab_size']}, {results['device']} {settings['dtype']}")
+                 f"vocab {settings['vocab_size']}, {results['device']}, {results['threads']} threads, {settings['dtype']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
