@@ -7,7 +7,6 @@
 - `torch.compile` of the forward matches eager.
 """
 
-import time
 
 import pytest
 import torch
@@ -174,20 +173,14 @@ def test_a_forced_decoder_prefix_generates_the_same_with_logits_to_keep():
 
 def test_torch_compile_forward_matches_eager():
     """torch.compile of the training forward (loss and logits) matches eager. Compiling a tiny model on CPU takes
-    about 20 s (graph breaks at the data-dependent input checks); the test skips past 120 s."""
-    pytest.importorskip("torch._inductor")
+    5-20 s (graph breaks at the data-dependent input checks). torch ships inductor, and the project's machines have
+    the C++ compiler it needs, so a failure to compile is a failure of this test."""
     model = make_tiny_model()
     ids, mask = padded_batch(length=9)
     labels = ids.masked_fill(mask.eq(0), -100)
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask, labels=labels)
         compiled = torch.compile(model)
-        start = time.perf_counter()
-        try:
-            out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
-        except Exception as error:  # no C++ compiler or similar: not this model's problem
-            pytest.skip(f"torch.compile unavailable here: {type(error).__name__}: {error}")
-        if time.perf_counter() - start > 120:
-            pytest.skip("torch.compile took over 120 s on this machine")
+        out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
     torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
