@@ -103,3 +103,18 @@ def test_train_script_help_runs_as_a_script():
     result = subprocess.run([sys.executable, str(ROOT / "training" / "train.py"), "--help"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--max_tokens" in result.stdout and "--preset" in result.stdout
+
+
+def test_console_entry_points_exit_0_after_a_run(monkeypatch):
+    """`vaswani-train` must exit 0: `main` returns the metrics dict, which `sys.exit(main())` would turn into status 1."""
+    import tomllib
+
+    import training.train as train
+    import training.train_no_trainer as no_trainer
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["vaswani-train"] == "training.train:cli"
+    assert scripts["vaswani-train-no-trainer"] == "training.train_no_trainer:cli"
+    for module in (train, no_trainer):
+        monkeypatch.setattr(module, "main", lambda argv=None: {"test_bleu": 35.0})
+        assert module.cli() == 0

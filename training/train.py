@@ -285,5 +285,12 @@ def main(argv: list[str] | None = None) -> dict:
     return metrics
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """Console entry `vaswani-train`: runs `main` and exits 0 (`main` returns the metrics dict, which `sys.exit` would
+    print and turn into exit status 1)."""
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
