@@ -38,10 +38,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "base": {
         "model": {},
         "max_tokens": 4096, "warmup_steps": 4000, "lr_factor": 1.0, "max_steps": 100_000, "vocab_size": 37000,
+        "trainer": {"eval_steps": 5000, "save_steps": 1000},
     },
     "big": {
         "model": {"d_model": 1024, "num_heads": 16, "d_ff": 4096, "dropout": 0.3},
         "max_tokens": 4096, "warmup_steps": 4000, "lr_factor": 1.0, "max_steps": 300_000, "vocab_size": 37000,
+        "trainer": {"eval_steps": 5000, "save_steps": 1000},
     },
     "cpu": {
         "model": {"d_model": 256, "encoder_layers": 3, "decoder_layers": 3, "num_heads": 4, "d_ff": 1024},
