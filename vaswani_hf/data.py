@@ -319,6 +319,15 @@ def _load_split(source: PathLike, source_lang: str, target_lang: str, empty_line
     return _to_dataset(pt)
 
 
+def _check_languages(ds, source_lang: str, target_lang: str, where: str = "") -> None:
+    """Raise a DataError naming the codes present when a language is missing from the 'translation' records."""
+    present = sorted(ds[0]["translation"])
+    for lang in (source_lang, target_lang):
+        if lang not in present:
+            raise DataError(f"{where}language {lang!r} not in the dataset's 'translation' column; codes present: "
+                            f"{', '.join(present)}.")
+
+
 def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hub_kwargs):
     import datasets
 
@@ -335,13 +344,7 @@ def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hu
             )
         if len(ds) == 0:
             raise DataError(f"Hub dataset {hub_dataset!r} split {split!r} is empty.")
-        present = sorted(ds[0]["translation"])
-        for lang in (source_lang, target_lang):
-            if lang not in present:
-                raise DataError(
-                    f"Hub dataset {hub_dataset!r} split {split!r}: language {lang!r} not in 'translation'; codes "
-                    f"present: {', '.join(present)}."
-                )
+        _check_languages(ds, source_lang, target_lang, f"Hub dataset {hub_dataset!r} split {split!r}: ")
         src = [t[source_lang] or "" for t in ds["translation"]]
         tgt = [t[target_lang] or "" for t in ds["translation"]]
         src = [s.strip() for s in src]
@@ -529,13 +532,7 @@ def tokenize_dataset(
                 f"vaswani_hf.data.load_parallel_dataset()."
             )
         if len(ds):
-            present = sorted(ds[0]["translation"])
-            for lang in (source_lang, target_lang):
-                if lang not in present:
-                    raise DataError(
-                        f"language {lang!r} not in the dataset's 'translation' column; codes present: "
-                        f"{', '.join(present)}."
-                    )
+            _check_languages(ds, source_lang, target_lang)
 
     def _fn(batch):
         src = [t[source_lang] for t in batch["translation"]]
