@@ -3,6 +3,7 @@
 - `_expand_inputs_for_generation` keeps one encoder row per sentence, and encoder-decoder attention groups the
   beams (or samples) of a sentence against it (`VaswaniAttention._grouped`);
 - `_reorder_cache` follows the beams in the self-attention cache only;
+- the self-attention cache is `VaswaniSelfAttentionCache` (written in place, no concatenation), not `DynamicCache`;
 - `logits_to_keep` projects only the positions asked for;
 - `torch.compile` of the forward matches eager.
 """
@@ -20,7 +21,11 @@ SHORT = dict(max_new_tokens=8)
 
 
 class StockGeneration(VaswaniForConditionalGeneration):
-    """Our model with transformers' own expansion (one encoder row per beam) and cache reordering (all caches)."""
+    """Our model with transformers' own expansion (one encoder row per beam), cache (`DynamicCache`) and cache
+    reordering (all caches)."""
+
+    def _prepare_cache_for_generation(self, *args, **kwargs):
+        return GenerationMixin._prepare_cache_for_generation(self, *args, **kwargs)
 
     def _expand_inputs_for_generation(self, *args, **kwargs):
         stock = GenerationMixin.__dict__["_expand_inputs_for_generation"]  # a staticmethod up to transformers 5.17

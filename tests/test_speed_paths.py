@@ -1,0 +1,137 @@
+"""The faster paths of the model do what the plain ones do.
+
+- `apply_dropout` on a CPU (`_CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
+- "sdpa" attention in bf16 on a CPU runs the eager path (torch's CPU flash kernel is slow in bf16);
+- `VaswaniSelfAttentionCacheLayer` (keys and values written in place into a preallocated buffer) holds what
+  transformers' `DynamicLayer` holds through updates, beam reorders, growth past its capacity, crops and batch
+  selections, and `generate()` uses it unless given another cache.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_model, padded_batch
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+
+from vaswani_hf.modeling_vaswani import (
+    VaswaniSelfAttentionCache,
+    VaswaniSelfAttentionCacheLayer,
+    apply_dropout,
+)
+
+
+def test_cpu_dropout_keeps_one_minus_p_and_scales_the_kept_elements():
+    torch.manual_seed(0)
+    x = torch.rand(1001, 999) + 0.5  # no zeros, odd element count
+    for p in (0.1, 0.3):
+        out = apply_dropout(x, p, training=True)
+        kept = out.ne(0)
+        # 1M Bernoulli(1 - p) draws: standard deviation of the kept fraction < 5e-4
+        assert abs(kept.float().mean().item() - (1 - p)) < 2.5e-3
+        torch.testing.assert_close(out[kept], x[kept] / (1 - p), rtol=1e-6, atol=0)
+    # independent draws: consecutive elements (the two halves of one 64-bit draw) are not correlated
+    keep = apply_dropout(x, 0.5, training=True).ne(0).flatten().float()
+    both = (keep[0::2][: keep.numel() // 2] * keep[1::2]).mean().item()
+    assert abs(both - 0.25) < 3e-3
+
+
+def test_cpu_dropout_gradient_is_the_mask_times_the_scale():
+    torch.manual_seed(1)
+    x = (torch.rand(64, 33) + 0.5).requires_grad_()
+    out = apply_dropout(x, 0.1, training=True)
+    weights = torch.randn(64, 33)
+    (out * weights).sum().backward()
+    expected = out.detach().ne(0).float() * weights / 0.9
+    torch.testing.assert_close(x.grad, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_dropout_is_seeded_identity_in_eval_and_keeps_the_dtype():
+    x = torch.rand(8, 16) + 0.5
+    torch.manual_seed(3)
+    first = apply_dropout(x, 0.1, training=True)
+    torch.manual_seed(3)
+    assert torch.equal(apply_dropout(x, 0.1, training=True), first)
+    assert apply_dropout(x, 0.1, training=False) is x and apply_dropout(x, 0.0, training=True) is x
+    assert apply_dropout(x.bfloat16(), 0.1, training=True).dtype == torch.bfloat16
+    assert apply_dropout(x, 1.0, training=True).eq(0).all()  # F.dropout's answer for p = 1
+    assert apply_dropout(torch.empty(0, 4), 0.1, training=True).shape == (0, 4)
+
+
+def test_sdpa_in_bf16_on_cpu_runs_the_eager_attention():
+    ids, mask = padded_batch(length=9)
+    labels = ids.masked_fill(mask.eq(0), -100)
+    outputs = {}
+    for attn in ("sdpa", "eager"):
+        model = make_tiny_model(attn_implementation=attn)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs[attn] = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert torch.equal(outputs["sdpa"].logits, outputs["eager"].logits)  # the same kernel, bit for bit
+    with torch.no_grad():  # in fp32 "sdpa" is torch's kernel: close to eager, not the same code
+        sdpa = make_tiny_model(attn_implementation="sdpa")(input_ids=ids, attention_mask=mask, labels=labels)
+        eager = make_tiny_model(attn_implementation="eager")(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(sdpa.logits, eager.logits, rtol=1e-4, atol=1e-5)
+
+
+def _steps(seed: int = 0, batch: int = 6, heads: int = 2, head_dim: int = 4, steps: int = 7):
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        length = 3 if step == 0 else 1  # a prefix first, then one position at a time
+        yield (torch.randn(batch, heads, length, head_dim, generator=generator),
+               torch.randn(batch, heads, length, head_dim, generator=generator),
+               torch.randint(0, batch, (batch,), generator=generator))
+
+
+@pytest.mark.parametrize("capacity", [0, 2, 64])
+def test_cache_layer_holds_what_dynamic_layer_holds(capacity):
+    ours, reference = VaswaniSelfAttentionCacheLayer(capacity), DynamicLayer()
+    for keys, values, beam_idx in _steps():
+        got, expected = ours.update(keys, values), reference.update(keys, values)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        ours.reorder_cache(beam_idx)
+        reference.reorder_cache(beam_idx)
+        assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
+        assert ours.get_seq_length() == reference.get_seq_length()
+    assert ours.get_seq_length() == 9
+    ours.crop(-2)
+    reference.crop(-2)
+    assert torch.equal(ours.keys, reference.keys) and ours.get_seq_length() == 7
+    for layer in (ours, reference):
+        layer.batch_select_indices(torch.tensor([4, 1]))
+        layer.batch_repeat_interleave(3)
+    assert ours.keys.shape == (6, 2, 7, 4)
+    assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
+    keys, values, _ = next(_steps(seed=1))
+    got, expected = ours.update(keys, values), reference.update(keys, values)  # still appends after all that
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    with pytest.raises(ValueError, match="negative"):
+        ours.crop(3)
+    ours.reset()
+    assert ours.get_seq_length() == 0
+
+
+def test_cache_layer_writes_in_place_within_its_capacity():
+    layer = VaswaniSelfAttentionCacheLayer(capacity=16)
+    pointers = set()
+    for keys, values, beam_idx in _steps(steps=10):
+        layer.update(keys, values)
+        pointers.add(layer.keys.data_ptr())
+        layer.reorder_cache(beam_idx)
+        pointers.add(layer.keys.data_ptr())
+    assert len(pointers) == 2  # the buffer and its spare, swapped at each reorder: nothing new allocated
+
+
+def test_generate_uses_the_in_place_cache_unless_given_one():
+    model = make_tiny_model()
+    ids, mask = padded_batch(length=9)
+    seen = []
+    hook = model.model.decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("past_key_values")), with_kwargs=True)
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=5)
+    assert isinstance(seen[-1], EncoderDecoderCache)
+    assert isinstance(seen[-1].self_attention_cache, VaswaniSelfAttentionCache)
+    assert all(isinstance(layer, VaswaniSelfAttentionCacheLayer) for layer in seen[-1].self_attention_cache.layers)
+    seen.clear()
+    mine = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=5, past_key_values=mine)
+    assert seen[-1] is mine and type(mine.self_attention_cache.layers[0]) is DynamicLayer
+    hook.remove()
