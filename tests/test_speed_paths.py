@@ -135,3 +135,71 @@ def test_generate_uses_the_in_place_cache_unless_given_one():
     model.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=5, past_key_values=mine)
     assert seen[-1] is mine and type(mine.self_attention_cache.layers[0]) is DynamicLayer
     hook.remove()
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
+    calls = []
+    onednn_linear = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or onednn_linear(*args))
+    model = make_tiny_model()
+    ids, mask = padded_batch(length=9)
+    decoder_ids = torch.randint(3, 99, (3, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        with model.cpu_packed_linears() as packed:
+            assert packed and model.lm_head.packed_weight is not None
+            assert model.model.encoder.layers[0].self_attn.qkv_proj.packed_weight is not None
+            fast = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+            with model.cpu_packed_linears() as nested:
+                assert not nested  # the outer packing stays
+            assert model.lm_head.packed_weight is not None
+    assert model.lm_head.packed_weight is None  # dropped on exit
+    # oneDNN ran every linear map once: 2 encoder layers x 4 (qkv, out, fc1, fc2), 2 decoder layers x 7 (qkv, out,
+    # cross-attention q, kv and out, fc1, fc2), and lm_head; and it gave what nn.Linear gives
+    assert len(calls) == 2 * 4 + 2 * 7 + 1
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linears_leave_training_bf16_and_opt_out_alone():
+    model = make_tiny_model()
+    ids, mask = padded_batch(length=9)
+    labels = ids.masked_fill(mask.eq(0), -100)
+    with model.cpu_packed_linears() as packed:
+        assert packed
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss  # autograd on: nn.Linear's path
+        loss.backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    with torch.autocast("cpu", dtype=torch.bfloat16), model.cpu_packed_linears() as packed:
+        assert not packed
+    with model.to(torch.bfloat16).cpu_packed_linears() as packed:
+        assert not packed
+    model = make_tiny_model()
+    model.use_cpu_packed_linears = False
+    with model.cpu_packed_linears() as packed:
+        assert not packed and model.lm_head.packed_weight is None
+
+
+@needs_onednn
+@pytest.mark.parametrize("kwargs", [dict(num_beams=4), dict(num_beams=1, do_sample=False)])
+def test_generate_with_packed_linears_matches_and_sees_changed_weights(kwargs):
+    model, plain = make_tiny_model(), make_tiny_model()
+    plain.use_cpu_packed_linears = False
+    ids, mask = padded_batch(length=9)
+    for round_ in range(2):
+        fast = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True,
+                              max_new_tokens=8, **kwargs)
+        slow = plain.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True,
+                              max_new_tokens=8, **kwargs)
+        assert torch.equal(fast.sequences, slow.sequences)
+        for step_fast, step_slow in zip(fast.scores, slow.scores, strict=True):
+            finite = torch.isfinite(step_slow)
+            torch.testing.assert_close(step_fast[finite], step_slow[finite], rtol=1e-4, atol=1e-5)
+        with torch.no_grad():  # an update between calls (as an optimizer step would make) must be seen
+            for candidate in (model, plain):
+                candidate.model.decoder.layers[0].fc2.weight.mul_(3.0)
+                candidate.lm_head.weight.add_(0.5)
