@@ -1,7 +1,8 @@
 """The faster paths of the model do what the plain ones do.
 
 - `apply_dropout` on a CPU (`_CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
-- "sdpa" attention in bf16 on a CPU runs the eager path (torch's CPU flash kernel is slow in bf16);
+- "sdpa" attention in bf16 on a CPU runs `half_precision_cpu_attention_forward` (fp32 scores; torch's CPU flash
+  kernel is slow in bf16);
 - `VaswaniSelfAttentionCacheLayer` (keys and values written in place into a preallocated buffer) holds what
   transformers' `DynamicLayer` holds through updates, beam reorders, growth past its capacity, crops and batch
   selections, and `generate()` uses it unless given another cache.
@@ -57,19 +58,35 @@ def test_cpu_dropout_is_seeded_identity_in_eval_and_keeps_the_dtype():
     assert apply_dropout(torch.empty(0, 4), 0.1, training=True).shape == (0, 4)
 
 
-def test_sdpa_in_bf16_on_cpu_runs_the_eager_attention():
+def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
+    from vaswani_hf import modeling_vaswani
+
+    calls = []
+    half = modeling_vaswani.half_precision_cpu_attention_forward
+    monkeypatch.setattr(modeling_vaswani, "half_precision_cpu_attention_forward",
+                        lambda module, query, *args, **kwargs: calls.append(query.dtype) or half(module, query, *args,
+                                                                                                  **kwargs))
     ids, mask = padded_batch(length=9)
     labels = ids.masked_fill(mask.eq(0), -100)
-    outputs = {}
-    for attn in ("sdpa", "eager"):
-        model = make_tiny_model(attn_implementation=attn)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            outputs[attn] = model(input_ids=ids, attention_mask=mask, labels=labels)
-    assert torch.equal(outputs["sdpa"].logits, outputs["eager"].logits)  # the same kernel, bit for bit
-    with torch.no_grad():  # in fp32 "sdpa" is torch's kernel: close to eager, not the same code
-        sdpa = make_tiny_model(attn_implementation="sdpa")(input_ids=ids, attention_mask=mask, labels=labels)
-        eager = make_tiny_model(attn_implementation="eager")(input_ids=ids, attention_mask=mask, labels=labels)
-    torch.testing.assert_close(sdpa.logits, eager.logits, rtol=1e-4, atol=1e-5)
+    model = make_tiny_model(attn_implementation="sdpa")
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask, labels=labels)
+        assert not calls  # fp32: torch's SDPA
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(input_ids=ids, attention_mask=mask, labels=labels)
+        bf16 = model.to(torch.bfloat16)(input_ids=ids, attention_mask=mask, labels=labels)  # bf16 weights
+    assert calls == [torch.bfloat16] * 2 * 6  # 2 encoder + 2x2 decoder attentions, in each bf16 forward
+    assert bf16.logits.dtype == torch.bfloat16
+    for half_precision in (autocast, bf16):
+        torch.testing.assert_close(half_precision.loss.float(), reference.loss, rtol=0.02, atol=0.02)
+    # the scores are fp32: the same as an fp32 softmax of the bf16 inputs' scores, not of bf16-rounded scores
+    generator = torch.Generator().manual_seed(5)
+    query, key, value = (torch.randn(2, 2, 5, 8, generator=generator).mul(4).bfloat16() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = half(model.model.encoder.layers[0].self_attn, query, key, value, None, scaling=8**-0.5)
+    probs = torch.softmax(query.float() @ key.float().transpose(2, 3) * 8**-0.5, dim=-1)
+    expected = (probs.bfloat16().float() @ value.float()).transpose(1, 2)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
 def _steps(seed: int = 0, batch: int = 6, heads: int = 2, head_dim: int = 4, steps: int = 7):

@@ -181,6 +181,21 @@ def eager_attention_forward(
     return output, probs
 
 
+def half_precision_cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                         value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+                                         dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """Eq. 1 for bf16/fp16 inputs on a CPU, where "sdpa" runs it: Q K^T, the mask and the softmax in fp32 (autocast
+    off: the scores are not rounded to 8 bits of mantissa before the softmax), the product with V in the inputs'
+    precision. Shapes as `eager_attention_forward`; returns the output `(B, Tq, H, Dh)` and no probabilities."""
+    with torch.autocast(query.device.type, enabled=False):
+        scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
+        if attention_mask is not None:
+            scores = scores + attention_mask.float()
+        probs = F.softmax(scores, dim=-1)
+    probs = apply_dropout(probs.to(value.dtype), p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
 @functools.cache
 def _has_onednn_linear() -> bool:
     """Whether this torch has oneDNN and the two operators of `VaswaniLinear`'s CPU path (torch >= 2.0 builds)."""
@@ -297,13 +312,13 @@ class VaswaniAttention(nn.Module):
 
         # Attention probabilities exist only in the eager reference, so `output_attentions` always runs it.
         attention: Callable = eager_attention_forward
-        implementation = self.config._attn_implementation
-        if implementation == "sdpa" and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
-            # torch's CPU flash-attention kernel in bf16 takes ~5x the time of the eager path here (forward and
-            # backward, B=64, H=8, T=32: 21 ms vs 4.4 ms on an AVX512-BF16 CPU); fp32 and GPUs keep SDPA.
-            implementation = "eager"
         if not output_attentions:
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        if (self.config._attn_implementation == "sdpa" and not output_attentions and query.device.type == "cpu"
+                and query.dtype in (torch.bfloat16, torch.float16)):
+            # torch's CPU flash-attention kernel in bf16 takes ~4x the time of this (forward and backward, B=64,
+            # H=8, T=32, on an AVX512-BF16 CPU: 21 ms vs 5-7 ms); fp32 and GPUs keep SDPA.
+            attention = half_precision_cpu_attention_forward
         output, probs = attention(
             self,
             query,
