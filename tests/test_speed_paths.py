@@ -220,3 +220,18 @@ def test_generate_with_packed_linears_matches_and_sees_changed_weights(kwargs):
             for candidate in (model, plain):
                 candidate.model.decoder.layers[0].fc2.weight.mul_(3.0)
                 candidate.lm_head.weight.add_(0.5)
+
+
+@needs_onednn
+def test_generate_falls_back_to_nn_linear_when_packing_fails(monkeypatch):
+    model = make_tiny_model()
+    ids, mask = padded_batch(length=9)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
+
+    def refuse(weight, batch_size):
+        raise RuntimeError("this oneDNN cannot pack")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    with model.cpu_packed_linears() as packed:
+        assert not packed and model.lm_head.packed_weight is None
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6), expected)

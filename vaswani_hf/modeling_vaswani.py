@@ -33,11 +33,14 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderD
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 
 try:
     from .configuration_vaswani import VaswaniConfig
 except ImportError:  # loaded as a standalone file
     from configuration_vaswani import VaswaniConfig
+
+logger = logging.get_logger(__name__)
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -1034,9 +1037,16 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             yield False
             return
         try:
-            with torch.no_grad():
+            try:
+                with torch.no_grad():
+                    for module in linears:
+                        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64)
+            except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
                 for module in linears:
-                    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64)
+                    module.packed_weight = None
+                logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
+                yield False
+                return
             yield True
         finally:
             for module in linears:
