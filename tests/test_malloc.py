@@ -3,7 +3,6 @@ activations in again; the user's own MALLOC_* settings and VASWANI_KEEP_FREED_ME
 
 import os
 import platform
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +32,11 @@ def run_probe(**env_overrides):
     return out[0] == "True", int(out[1])
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+@pytest.mark.skipif(not GLIBC, reason="keep_freed_memory tunes glibc's malloc only; elsewhere it does nothing, which "
+                                      "test_malloc_is_left_alone_when_asked_or_not_glibc checks")
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
     applied, faults = run_probe()
     assert applied
@@ -43,4 +46,24 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     # kept, the first block's pages are reused
     assert default_faults > 20 * 16384 * 0.9
     assert faults < 3 * 16384
-    assert run_probe(MALLOC_ARENA_MAX="2")[0] is False  # a user's MALLOC_* setting: leave malloc alone
+
+
+def test_malloc_is_left_alone_when_asked_or_not_glibc(monkeypatch):
+    import ctypes
+
+    from training.common import keep_freed_memory
+
+    for name, value in (("VASWANI_KEEP_FREED_MEMORY", "0"), ("MALLOC_ARENA_MAX", "2")):  # the user's choice wins
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            assert keep_freed_memory() is False
+    for name in ("VASWANI_KEEP_FREED_MEMORY", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                 "MALLOC_ARENA_MAX"):
+        monkeypatch.delenv(name, raising=False)
+
+    class NotGlibc:  # a C library without gnu_get_libc_version (musl, macOS): mallopt must not be called
+        def mallopt(self, *args):
+            raise AssertionError("mallopt called outside glibc")
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: NotGlibc())
+    assert keep_freed_memory() is False
