@@ -313,15 +313,16 @@ class VaswaniAttention(nn.Module):
                     cache = cache.self_attention_cache
                 key, value = cache.update(key, value, self.layer_idx)  # (B, H, P + T, Dh)
 
-        # Attention probabilities exist only in the eager reference, so `output_attentions` always runs it.
-        attention: Callable = eager_attention_forward
-        if not output_attentions:
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        if (self.config._attn_implementation == "sdpa" and not output_attentions and query.device.type == "cpu"
-                and query.dtype in (torch.bfloat16, torch.float16)):
+        implementation = self.config._attn_implementation
+        attention: Callable
+        if output_attentions:  # attention probabilities exist only in the eager reference
+            attention = eager_attention_forward
+        elif implementation == "sdpa" and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
             # torch's CPU flash-attention kernel in bf16 takes ~4x the time of this (forward and backward, B=64,
             # H=8, T=32, on an AVX512-BF16 CPU: 21 ms vs 5-7 ms); fp32 and GPUs keep SDPA.
             attention = half_precision_cpu_attention_forward
+        else:
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         output, probs = attention(
             self,
             query,
@@ -413,7 +414,7 @@ class VaswaniSelfAttentionCacheLayer(DynamicLayer):
         buffer = key_states.new_empty(batch, 2, heads, max(needed, self.capacity, grown, 16), head_dim)
         if old is not None and self.length:
             buffer[:, :, :, : self.length] = old[:, :, :, : self.length]
-        self._buffer, self._spare = buffer, None
+        self._replace(buffer)
 
     def _set_views(self) -> None:
         filled = self._buffer[:, :, :, : self.length]
@@ -1037,16 +1038,15 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             yield False
             return
         try:
-            try:
-                with torch.no_grad():
-                    for module in linears:
-                        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64)
-            except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
-                for module in linears:
-                    module.packed_weight = None
-                logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
-                yield False
-                return
+            with torch.no_grad():
+                packed = [torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64) for module in linears]
+        except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
+            logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
+            yield False
+            return
+        for module, weight in zip(linears, packed, strict=True):
+            module.packed_weight = weight
+        try:
             yield True
         finally:
             for module in linears:
