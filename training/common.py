@@ -449,8 +449,9 @@ def keep_freed_memory() -> bool:
     18 minutes. With mmap threshold 2 GiB, trim threshold 2 GiB and top pad 1 GiB (the same as the environment
     variables MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_) a training step of the base model on 2
     cores page-faults ~0 times instead of ~100,000 and runs about 7-12 % faster, and the main job trains in 14.1
-    instead of 19.0 minutes. The price: freed memory stays in the process (main job peak RSS 7.4 instead of 5.2 GiB). Skipped when any MALLOC_* variable above is set (the user's
-    choice wins), when VASWANI_KEEP_FREED_MEMORY=0, or where the C library is not glibc.
+    instead of 19.0 minutes. The price: freed memory stays in the process (main job peak RSS 7.4 instead of 5.2
+    GiB). Skipped when any MALLOC_* variable above is set (the user's choice wins), when
+    VASWANI_KEEP_FREED_MEMORY=0, or where the C library is not glibc.
 
     Returns:
         True if all three settings were applied.
