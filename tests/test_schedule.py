@@ -97,3 +97,44 @@ def test_paper_adam_hyperparameters():
     opt, sched = paper_optimizer_and_schedule([torch.nn.Parameter(torch.zeros(1))], 512)
     assert opt.param_groups[0]["lr"] == pytest.approx(512 ** -0.5 * 4000 ** -1.5)
     assert math.isclose(inverse_sqrt_lambda(512)(3999), 512 ** -0.5 * 4000 ** -0.5)
+
+
+def test_cooldown_follows_eq3_then_falls_linearly_to_zero():
+    from vaswani_hf.schedule import cooldown_learning_rate
+
+    # 100 updates, warmup 20, the last 25 in the cooldown: updates 1..75 are Eq. 3.
+    for n in (1, 10, 20, 50, 75):
+        assert cooldown_learning_rate(n, 256, 20, 0.5, 100, 25) == paper_learning_rate(n, 256, 20, 0.5)
+    start = paper_learning_rate(75, 256, 20, 0.5)
+    assert cooldown_learning_rate(76, 256, 20, 0.5, 100, 25) == pytest.approx(start * 25 / 26, rel=1e-12)
+    assert cooldown_learning_rate(100, 256, 20, 0.5, 100, 25) == pytest.approx(start / 26, rel=1e-12)
+    assert cooldown_learning_rate(101, 256, 20, 0.5, 100, 25) == 0.0
+    lrs = [cooldown_learning_rate(n, 256, 20, 0.5, 100, 25) for n in range(75, 101)]
+    steps = [a - b for a, b in zip(lrs, lrs[1:])]
+    assert all(d == pytest.approx(start / 26, rel=1e-9) for d in steps)  # a straight line
+    with pytest.raises(ValueError, match="cooldown_steps"):
+        cooldown_learning_rate(1, 256, 20, 0.5, 100, 100)
+    with pytest.raises(ValueError, match="total_steps"):
+        cooldown_learning_rate(1, 256, 20, 0.5, 0, 0)
+
+
+def test_scheduler_end_moves_while_training_and_survives_resume():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt, sched = paper_optimizer_and_schedule([p], d_model=256, warmup_steps=5, factor=2.0)
+    seen = _lrs_during_updates(opt, sched, 10)
+    assert [s[0] for s in seen] == pytest.approx([paper_learning_rate(n, 256, 5, 2.0) for n in range(1, 11)])
+    for fn in sched.lr_lambdas:
+        fn.set_cooldown(40, 10)  # planned: end at update 40, cooldown from update 31
+    state_o, state_s = opt.state_dict(), sched.state_dict()
+    rest = [s[0] for s in _lrs_during_updates(opt, sched, 32)]
+    from vaswani_hf.schedule import cooldown_learning_rate
+
+    assert rest == pytest.approx([cooldown_learning_rate(n, 256, 5, 2.0, 40, 10) for n in range(11, 43)])
+    assert rest[-2:] == [0.0, 0.0] and rest[29] > 0  # update 40 still moves, 41 and 42 do not
+
+    p2 = torch.nn.Parameter(torch.zeros(1))
+    opt2, sched2 = paper_optimizer_and_schedule([p2], d_model=256, warmup_steps=5, factor=2.0)
+    opt2.load_state_dict(state_o)
+    sched2.load_state_dict(state_s)  # the planned end is part of the scheduler's state
+    assert sched2.lr_lambdas[0].total_steps == 40
+    assert [s[0] for s in _lrs_during_updates(opt2, sched2, 32)] == pytest.approx(rest)

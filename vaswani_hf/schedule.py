@@ -38,6 +38,7 @@ __all__ = [
     "PAPER_BETAS",
     "PAPER_EPS",
     "PAPER_WARMUP_STEPS",
+    "cooldown_learning_rate",
 ]
 
 PAPER_BETAS = (0.9, 0.98)
@@ -81,10 +82,47 @@ def paper_learning_rate(step: int, d_model: int, warmup_steps: int = PAPER_WARMU
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
 
 
+def cooldown_learning_rate(step: int, d_model: int, warmup_steps: int, factor: float, total_steps: int,
+                           cooldown_steps: int) -> float:
+    """Eq. 3 followed by a linear cooldown to zero — a departure from §5.3 used by the ``cpu`` preset only.
+
+    Updates ``1 .. total_steps - cooldown_steps`` follow :func:`paper_learning_rate`; over the last
+    ``cooldown_steps`` updates the rate falls linearly from Eq. 3's value at the cooldown's start towards 0: update
+    ``n`` gets ``lrate(start) * (total_steps - n + 1) / (cooldown_steps + 1)`` with ``start = total_steps -
+    cooldown_steps``, so the last update still moves the weights and the next one would be 0. A run that is stopped
+    when its time budget ends would otherwise stop at a high, undecayed rate (the paper's schedule never reaches 0).
+    Updates past ``total_steps`` get 0.
+
+    Args:
+        step: 1-based update number, >= 1.
+        d_model, warmup_steps, factor: as in :func:`paper_learning_rate`.
+        total_steps: the update after which the rate is 0, >= 1.
+        cooldown_steps: length of the linear part, 0 <= cooldown_steps < total_steps (0: Eq. 3 then a cliff).
+
+    Raises:
+        ValueError: step < 1, non-positive sizes, or cooldown_steps outside [0, total_steps).
+    """
+    _check_positive_int("total_steps", total_steps)
+    if isinstance(cooldown_steps, bool) or not isinstance(cooldown_steps, int) or not 0 <= cooldown_steps < total_steps:
+        raise ValueError(f"cooldown_steps must be an int in [0, total_steps={total_steps}), got {cooldown_steps!r}.")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step is the 1-based update number and must be an int >= 1, got {step!r}.")
+    if step > total_steps:
+        return 0.0
+    start = total_steps - cooldown_steps
+    if step <= start:
+        return paper_learning_rate(step, d_model, warmup_steps, factor)
+    return paper_learning_rate(start, d_model, warmup_steps, factor) * (total_steps - step + 1) / (cooldown_steps + 1)
+
+
 class InverseSqrtLambda:
     """Picklable ``LambdaLR`` lambda: ``f(completed_steps) = paper_learning_rate(completed_steps + 1) / base_lr``.
 
     A class (not a closure) so that ``LambdaLR.state_dict()`` saves its parameters with checkpoints.
+
+    With :meth:`set_cooldown` the curve becomes :func:`cooldown_learning_rate` (Eq. 3, then a linear cooldown to 0
+    at ``total_steps``). The end can be moved while training runs (the ``cpu`` preset's planner sets it from the
+    measured step time); the new values apply from the next ``scheduler.step()``.
     """
 
     def __init__(self, d_model: int, warmup_steps: int, factor: float = 1.0, base_lr: float = 1.0):
@@ -92,13 +130,32 @@ class InverseSqrtLambda:
         self.warmup_steps = _check_positive_int("warmup_steps", warmup_steps)
         self.factor = _check_positive_float("factor", factor)
         self.base_lr = _check_positive_float("base_lr", base_lr)
+        self.total_steps: int | None = None
+        self.cooldown_steps = 0
+
+    def set_cooldown(self, total_steps: int, cooldown_steps: int) -> None:
+        """End the schedule at ``total_steps`` after a linear cooldown of ``cooldown_steps`` updates.
+
+        Raises:
+            ValueError: as :func:`cooldown_learning_rate`.
+        """
+        cooldown_learning_rate(1, self.d_model, self.warmup_steps, self.factor, total_steps, cooldown_steps)  # checks
+        self.total_steps, self.cooldown_steps = total_steps, cooldown_steps
 
     def __call__(self, completed_steps: int) -> float:
-        return paper_learning_rate(int(completed_steps) + 1, self.d_model, self.warmup_steps, self.factor) / self.base_lr
+        step = int(completed_steps) + 1
+        if self.total_steps is None:
+            return paper_learning_rate(step, self.d_model, self.warmup_steps, self.factor) / self.base_lr
+        return cooldown_learning_rate(step, self.d_model, self.warmup_steps, self.factor, self.total_steps,
+                                      self.cooldown_steps) / self.base_lr
+
+    def __setstate__(self, state: dict) -> None:  # lambdas pickled before the cooldown existed
+        self.__dict__.update({"total_steps": None, "cooldown_steps": 0, **state})
 
     def __repr__(self) -> str:
+        end = f", total_steps={self.total_steps}, cooldown_steps={self.cooldown_steps}" if self.total_steps else ""
         return (f"InverseSqrtLambda(d_model={self.d_model}, warmup_steps={self.warmup_steps}, "
-                f"factor={self.factor}, base_lr={self.base_lr})")
+                f"factor={self.factor}, base_lr={self.base_lr}{end})")
 
 
 def inverse_sqrt_lambda(d_model: int, warmup_steps: int = PAPER_WARMUP_STEPS, factor: float = 1.0,
