@@ -138,6 +138,35 @@ class TimeLimit(TrainerCallback):
         return control
 
 
+def precision_choice(training_args: Seq2SeqTrainingArguments, recipe) -> tuple[str, str]:
+    """What a run computes in and why: ("bf16 autocast" | "fp16 autocast" | "fp32", the reason in words).
+
+    On the CPU, --cpu_bf16 auto picks bf16 autocast where the CPU has native bf16 instructions (avx512_bf16 or
+    amx_bf16): about 2x faster there. Elsewhere torch emulates bf16 matmuls, hundreds of times slower than fp32
+    (0.3-1 GFLOP/s against 140-170 on AVX2 EPYC cores), so the run stays in fp32.
+
+    Raises:
+        ValueError: --cpu_bf16 is not auto, yes or no.
+    """
+    if recipe.cpu_bf16 not in ("auto", "yes", "no"):
+        raise ValueError(f"--cpu_bf16 must be auto, yes or no, got {recipe.cpu_bf16!r}.")
+    if training_args.bf16:
+        return "bf16 autocast", "--bf16 given"
+    if training_args.fp16:
+        return "fp16 autocast", "--fp16 given"
+    if training_args.device.type != "cpu":
+        return "fp32", "no --bf16/--fp16 given"
+    native = cpu_has_native_bf16()
+    if recipe.cpu_bf16 == "yes":
+        return "bf16 autocast", "--cpu_bf16 yes" + ("" if native else "; this CPU has no native bf16, expect it slow")
+    if recipe.cpu_bf16 == "no":
+        return "fp32", "--cpu_bf16 no"
+    if native:
+        return "bf16 autocast", "the CPU has native bf16 (avx512_bf16/amx_bf16); --cpu_bf16 no for fp32"
+    return "fp32", ("the CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), where bf16 matmuls are emulated and "
+                    "far slower than fp32")
+
+
 def build_parser() -> HfArgumentParser:
     parser = HfArgumentParser((ModelArguments, DataArguments, RecipeArguments, Seq2SeqTrainingArguments))
     parser.set_defaults(**TRAINER_DEFAULTS)
@@ -155,13 +184,11 @@ def main(argv: list[str] | None = None) -> dict:
         training_args.max_steps = preset["max_steps"]
     if "warmup_steps" not in given:
         training_args.warmup_steps = preset["warmup_steps"]
-    if recipe.cpu_bf16 not in ("auto", "yes", "no"):
-        raise ValueError(f"--cpu_bf16 must be auto, yes or no, got {recipe.cpu_bf16!r}.")
-    if (training_args.device.type == "cpu" and not (training_args.bf16 or training_args.fp16)
-            and (recipe.cpu_bf16 == "yes" or (recipe.cpu_bf16 == "auto" and cpu_has_native_bf16()))):
+    precision, precision_reason = precision_choice(training_args, recipe)
+    if precision == "bf16 autocast" and training_args.device.type == "cpu" and not training_args.bf16:
         training_args.bf16 = True  # autocast on the CPU: about 2-3x faster training where bf16 is native
         training_args.mixed_precision = "bf16"  # what Trainer hands to accelerate
-        logger.info("Training in bf16 autocast on the CPU (--cpu_bf16 no for fp32).")
+    logger.info("Precision: %s (%s).", precision, precision_reason)
     for key, value in preset.get("trainer", {}).items():  # the preset's Trainer settings, unless given
         if key not in given:
             setattr(training_args, key, value)
@@ -208,6 +235,21 @@ def main(argv: list[str] | None = None) -> dict:
         return {"bleu": round(bleu.compute(predictions=hyps, references=refs)["score"], 2)}
 
     time_limit = TimeLimit(recipe.max_train_minutes)
+    callbacks = [time_limit]
+    budget = recipe.time_budget_minutes
+    if budget is None and "max_steps" not in given:
+        budget = preset.get("time_budget_minutes")
+    if budget:
+        from training.planner import BudgetPlanner
+
+        test_sentences = 0
+        if "test" in raw:
+            test_sentences = len(raw["test"]) if data_args.max_test_samples is None else min(
+                len(raw["test"]), data_args.max_test_samples)
+        callbacks.append(BudgetPlanner(
+            budget, training_args.max_steps, cooldown_fraction=preset.get("cooldown_fraction", 0.0),
+            test_sentences=test_sentences, eval_sentences=len(eval_dataset) if eval_dataset is not None else 0,
+            precision=precision, precision_reason=precision_reason))
     trainer = PaperTrainer(
         model=model,
         args=training_args,
@@ -216,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         processing_class=tokenizer,
         compute_metrics=compute_metrics,
-        callbacks=[time_limit],
+        callbacks=callbacks,
         max_tokens=max_tokens,
         d_model=model.config.d_model,
         warmup=training_args.warmup_steps,
@@ -272,13 +314,24 @@ def main(argv: list[str] | None = None) -> dict:
         "mixed_precision": training_args.mixed_precision,
         "torch_threads": torch.get_num_threads(),
         "averaged_checkpoints": recipe.average_last,
+        "precision": precision,
     })
+    planner = next((c for c in callbacks if type(c).__name__ == "BudgetPlanner"), None)
+    if planner is not None and planner.plans:
+        metrics["plan"] = planner.plans[-1]
 
     # Test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways; metrics.json.
     if trainer.is_world_process_zero():
         finish_run(trainer.model, tokenizer, raw, data_args, recipe, metrics, output_dir,
                    batch_size=training_args.per_device_eval_batch_size,
                    num_beams=training_args.generation_num_beams)
+        from training.common import write_json_atomic
+        from training.planner import process_start_monotonic
+
+        metrics["command_minutes"] = round((time.monotonic() - process_start_monotonic()) / 60, 2)
+        write_json_atomic(output_dir / "metrics.json", metrics)
+        print(f"Whole command: {metrics['command_minutes']} min"
+              + (f" (time budget {planner.budget / 60:g} min)" if planner is not None else ""))
     if push_to_hub and trainer.is_world_process_zero():
         from training.export import export_and_push
 

@@ -1,0 +1,125 @@
+"""The time-budget planner of the cpu preset (training/planner.py): it measures the first steps, plans the number
+of updates that fit the budget of the whole command, ends the schedule there with a cooldown, and stops training."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import TrainerControl, TrainerState
+
+from training.planner import BudgetPlanner, process_start_monotonic
+from vaswani_hf.schedule import paper_optimizer_and_schedule
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def run(planner, clock, steps, seconds_per_step, lr_scheduler, eval_every=None, eval_seconds=0.0):
+    """Drive the callback as the Trainer would; returns the step at which it asked to stop (or None)."""
+    args = SimpleNamespace(eval_steps=eval_every, eval_strategy="steps" if eval_every else "no")
+    state, control = TrainerState(), TrainerControl()
+    planner.on_train_begin(args, state, control)
+    for step in range(1, steps + 1):
+        clock.now += seconds_per_step
+        lr_scheduler.optimizer.step()
+        lr_scheduler.step()
+        state.global_step = step
+        planner.on_step_end(args, state, control, lr_scheduler=lr_scheduler)
+        if eval_every and step % eval_every == 0:
+            clock.now += eval_seconds
+            planner.on_evaluate(args, state, control, metrics={"eval_runtime": eval_seconds},
+                                lr_scheduler=lr_scheduler)
+        if control.should_training_stop:
+            return step
+    return None
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr("training.planner.time.monotonic", c)
+    return c
+
+
+def _schedule():
+    p = torch.nn.Parameter(torch.zeros(1))
+    return paper_optimizer_and_schedule([p], d_model=256, warmup_steps=40, factor=0.5)[1]
+
+
+@pytest.mark.parametrize("seconds_per_step", [0.5, 1.0, 2.0])
+def test_slower_machines_plan_fewer_steps_and_finish_inside_the_budget(clock, seconds_per_step, capsys):
+    sched = _schedule()
+    start = clock.now - 60  # one minute of start-up before training
+    planner = BudgetPlanner(10, 10_000, cooldown_fraction=0.2, test_sentences=100,
+                            seconds_per_test_sentence=0.3, start=start)
+    stopped = run(planner, clock, 10_000, seconds_per_step, sched)
+    # the whole command: training, then 20 s of saving and 100 x 0.3 s of test translation
+    whole = clock.now - start + planner.final_seconds()
+    assert stopped == planner.planned_steps
+    expected = (600 - 60 - 50) / seconds_per_step  # budget - start-up - final work, over the step time
+    assert planner.planned_steps == pytest.approx(expected, abs=2)
+    assert 590 <= whole <= 600
+    assert planner.cooldown_steps == round(0.2 * planner.planned_steps)
+    # the schedule ends at the plan: the last update's lr is small and positive, the next one would be 0
+    lam = sched.lr_lambdas[0]
+    assert lam(stopped - 1) > 0 and lam(stopped) == 0.0
+    assert lam(stopped - planner.cooldown_steps - 1) > 10 * lam(stopped - 1)
+    out = capsys.readouterr().out
+    assert "Precision fp32" in out and f"{seconds_per_step:.2f} s/step -> {planner.planned_steps} steps" in out
+
+
+def test_fast_machine_stops_at_the_presets_schedule(clock, capsys):
+    sched = _schedule()
+    planner = BudgetPlanner(30, 500, cooldown_fraction=0.2, start=clock.now)
+    assert run(planner, clock, 10_000, 0.5, sched) == 500
+    assert planner.planned_steps == 500 and planner.cooldown_steps == 100
+    assert "500 steps (the preset's full schedule)" in capsys.readouterr().out
+    assert clock.now - 1000 == pytest.approx(250)  # 500 steps x 0.5 s: the budget is not spent for nothing
+
+
+def test_validation_time_is_budgeted_and_replanned(clock):
+    sched = _schedule()
+    start = clock.now
+    planner = BudgetPlanner(10, 10_000, cooldown_fraction=0.1, test_sentences=200, eval_sentences=100,
+                            seconds_per_test_sentence=0.1, start=start)
+    # validation every 100 steps takes 30 s (0.3 s a sentence): the test estimate grows to 200 x 0.3 = 60 s
+    stopped = run(planner, clock, 10_000, 0.5, sched, eval_every=100, eval_seconds=30.0)
+    assert planner.seconds_per_sentence == pytest.approx(0.3)
+    whole = clock.now - start + planner.final_seconds()
+    assert whole <= 600 and whole >= 540
+    assert stopped == planner.planned_steps
+
+
+def test_a_machine_that_slows_down_is_stopped_by_the_budget(clock):
+    sched = _schedule()
+    planner = BudgetPlanner(5, 10_000, cooldown_fraction=0.5, start=clock.now, replan_every=10_000)
+    args = SimpleNamespace(eval_steps=None, eval_strategy="no")
+    state, control = TrainerState(), TrainerControl()
+    step = 0
+    while not control.should_training_stop:
+        step += 1
+        clock.now += 0.5 if step <= 100 else 5.0  # 10x slower after the plan was made
+        state.global_step = step
+        planner.on_step_end(args, state, control, lr_scheduler=sched)
+    assert step < planner.planned_steps and control.should_save
+    assert clock.now - 1000 + planner.final_seconds() <= 300 + 5.0
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="positive number of minutes"):
+        BudgetPlanner(0, 100)
+    with pytest.raises(ValueError, match="cooldown_fraction"):
+        BudgetPlanner(5, 100, cooldown_fraction=1.0)
+    with pytest.raises(ValueError, match="max_steps"):
+        BudgetPlanner(5, 0)
+
+
+def test_process_start_is_in_the_past():
+    import time
+
+    assert 0 <= time.monotonic() - process_start_monotonic() < 3600
