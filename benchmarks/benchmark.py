@@ -30,6 +30,10 @@ Measured:
   `min_new_tokens = max_new_tokens` so that both models produce exactly the same number of tokens.
 * how cost grows: beam-search time against the number of new tokens (16 ... 256), and peak training memory
   against batch tokens; written as a table, into the JSON file, and as a PNG plot (`--plot`).
+* training MFU on any device: the training step's model FLOP/s counting real (non-padding) tokens only
+  (`training_flops_real_tokens`, formula in its docstring) over the GEMM peak measured in the same run (the best
+  median FLOP/s of a few large fp32 matmuls at the benchmark's threads, `measure_gemm_peak`), for ours and Marian,
+  at the paper's base dims and at the `cpu` preset's dims (`--no-mfu` skips it).
 * on CUDA: training MFU, model FLOPs per second over the device's peak dense bf16 FLOP/s (a table of known GPUs;
   `--peak-flops` for others). Model FLOPs of a training step are counted exactly for every matrix multiplication on
   the padded batch (projections, Q K^T, softmax x V, FFN, output projection over all target positions), times 3
@@ -283,6 +287,91 @@ def training_flops(args, src_shape, tgt_shape) -> float:
     return 3.0 * (n * encoder + n * decoder + head)
 
 
+def training_flops_real_tokens(args, batch: dict[str, torch.Tensor], d: int | None = None, f: int | None = None,
+                               n: int | None = None) -> float:
+    """Model FLOPs of one training step counting only real (non-padding) tokens, the CPU MFU's numerator.
+
+    With n layers per stack, width d, FFN width f, vocabulary V, and per sentence i its real source length s_i and
+    real target length t_i (S = sum s_i, T = sum t_i), a multiply-add counted as 2 FLOPs::
+
+        encoder  = n * (2 S (4 d^2 + 2 d f) + 4 d sum s_i^2)
+        decoder  = n * (2 T (4 d^2 + 2 d^2 + 2 d f) + 2 S (2 d^2) + 4 d sum t_i^2 + 4 d sum t_i s_i)
+        head     = 2 T d V
+        training = 3 * (encoder + decoder + head)
+
+    (Q, K, V, output projections 4 d^2 per token; cross-attention: Q and output on the target, K and V on the
+    source; scores and weighted sum 2 x 2 d per query-key pair, the decoder's causal half counted in full; backward
+    = 2 x forward.) Element-wise work (softmax, LayerNorm, dropout, Adam) is not counted.
+    """
+    d = d or args.d_model
+    f = f or args.d_ff
+    n = n or args.layers
+    v = args.vocab_size
+    s_i = batch["attention_mask"].sum(1).double()
+    t_i = batch["labels"].ne(-100).sum(1).double()
+    S, T = float(s_i.sum()), float(t_i.sum())
+    encoder = 2 * S * (4 * d * d + 2 * d * f) + 4 * d * float((s_i * s_i).sum())
+    decoder = (2 * T * (6 * d * d + 2 * d * f) + 2 * S * 2 * d * d + 4 * d * float((t_i * t_i).sum())
+               + 4 * d * float((t_i * s_i).sum()))
+    return 3.0 * (n * (encoder + decoder) + 2 * T * d * v)
+
+
+def measure_gemm_peak(args, repetitions: int = 5) -> dict:
+    """The device's fp32 (or --dtype) matmul throughput, measured now with the benchmark's threads: the best median
+    FLOP/s over square and transformer-shaped products (2 m n k FLOPs each). The CPU MFU's denominator."""
+    shapes = [(2048, 1024, 1024), (2048, 2048, 2048), (4096, 512, 2048), (4096, 2048, 512), (2048, 512, 8000)]
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    best, rows = 0.0, []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=args.device, dtype=dtype)
+        b = torch.randn(k, n, device=args.device, dtype=dtype)
+        a @ b
+        times = []
+        for _ in range(repetitions):
+            synchronize(args)
+            start = time.perf_counter()
+            a @ b
+            synchronize(args)
+            times.append(time.perf_counter() - start)
+        rate = 2 * m * n * k / statistics.median(times)
+        rows.append({"shape": [m, k, n], "flops_per_s": rate})
+        best = max(best, rate)
+    return {"peak_flops_per_s": best, "shapes": rows, "dtype": str(dtype).replace("torch.", "")}
+
+
+# The sizes at which the CPU MFU is reported: the paper's base model and the `cpu` preset of training/common.py.
+MFU_SIZES = {"base": {"d_model": 512, "layers": 6, "heads": 8, "d_ff": 2048},
+             "cpu": {"d_model": 256, "layers": 3, "heads": 4, "d_ff": 1024}}
+
+
+def bench_mfu(args) -> dict:
+    """Training-step model FLOP/s (real tokens only) as a fraction of the GEMM peak measured in the same run, for
+    ours and Marian, at base dims and at the cpu preset's dims (tiny dims with --quick)."""
+    peak = measure_gemm_peak(args)
+    sizes = {"quick": {"d_model": args.d_model, "layers": args.layers, "heads": args.heads, "d_ff": args.d_ff}} \
+        if args.quick else MFU_SIZES
+    result = {"gemm_peak": peak, "sizes": {}}
+    for label, dims in sizes.items():
+        sized = argparse.Namespace(**{**vars(args), **dims})
+        torch.manual_seed(args.seed)
+        models = {name: build_model(name, sized) for name in MODELS}
+        measured = bench_training(models, sized)
+        batch = make_batch(sized, sized.batch_tokens)
+        flops = training_flops_real_tokens(sized, batch)
+        row = {"dims": dims, "flops_per_step_real_tokens": flops,
+               "real_tokens": int(batch["attention_mask"].sum() + batch["labels"].ne(-100).sum()),
+               "padded_tokens": int(batch["input_ids"].numel() + batch["labels"].numel()),
+               "ratio": measured["ratio"], "ratio_paired": measured["ratio_paired"]}
+        for name in MODELS:
+            rate = flops / statistics.median(measured[name]["seconds"])
+            row[name] = {"model_flops_per_s": rate, "fraction_of_peak": rate / peak["peak_flops_per_s"],
+                         "tokens_per_s": measured[name]["tokens_per_s"]}
+        result["sizes"][label] = row
+        del models
+        gc.collect()
+    return result
+
+
 def peak_flops(args) -> float | None:
     if args.peak_flops:
         return args.peak_flops
@@ -508,6 +597,20 @@ def print_report(results: dict) -> None:
             print(f"training MFU {name}: " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown peak") +
                   f" ({train[name]['model_flops_per_s'] / 1e12:.1f} TFLOP/s; {train['flops_per_step']:.3g} "
                   "FLOPs/step = 3 x forward matmul FLOPs on the padded batch)")
+    if "mfu" in results:
+        mfu = results["mfu"]
+        peak = mfu["gemm_peak"]
+        print()
+        print(f"training model FLOP/s against the {peak['dtype']} GEMM peak measured in this run "
+              f"({peak['peak_flops_per_s'] / 1e9:.1f} GFLOP/s); FLOPs = 3 x forward matmul FLOPs over real "
+              f"(non-padding) tokens only (training_flops_real_tokens):")
+        print(f"{'dims':>6s} {'real/padded tokens':>19s} {'ours GFLOP/s':>13s} {'of peak':>8s} {'Marian GFLOP/s':>15s} "
+              f"{'of peak':>8s} {'ours/Marian':>12s}")
+        for label, row in mfu["sizes"].items():
+            print(f"{label:>6s} {row['real_tokens']:>9d}/{row['padded_tokens']:<9d} "
+                  f"{row['ours']['model_flops_per_s'] / 1e9:13.1f} {100 * row['ours']['fraction_of_peak']:7.1f}% "
+                  f"{row['marian']['model_flops_per_s'] / 1e9:15.1f} {100 * row['marian']['fraction_of_peak']:7.1f}% "
+                  f"{row['ratio']:12.2f}")
     settings = results["settings"]
     print()
     print(f"beam-{settings['scaling_beams']} generate() seconds against new tokens "
@@ -562,6 +665,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="torch intra-op threads (0: torch's default, one per core; --quick uses 1)")
     run.add_argument("--peak-flops", type=float, default=None, help="device peak FLOP/s for MFU (CUDA)")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--no-mfu", action="store_true",
+                     help="skip the GEMM-peak measurement and the training MFU at base and cpu-preset dims")
     run.add_argument("--quick", action="store_true", help="a tiny model and few repetitions (seconds)")
     run.add_argument("--output", default="benchmark.json", help="JSON file with all measurements")
     run.add_argument("--plot", default=None, help="PNG file for the scaling plots")
@@ -622,6 +727,11 @@ def main(argv=None) -> dict | None:
     results["transformers"] = transformers.__version__
     results["training"] = bench_training(models, args)
     progress("training tokens/s", results["training"])
+    if not args.no_mfu:
+        results["mfu"] = bench_mfu(args)
+        for label, row in results["mfu"]["sizes"].items():
+            print(f"training MFU at {label} dims: ours {100 * row['ours']['fraction_of_peak']:.1f}% of the measured "
+                  f"GEMM peak, Marian {100 * row['marian']['fraction_of_peak']:.1f}%", flush=True)
     results["beam"] = bench_generation(models, args, 4, args.gen_new_tokens, args.gen_batch, args.gen_reps)
     progress("beam-4 sentences/s", results["beam"])
     results["greedy"] = bench_generation(models, args, 1, args.gen_new_tokens, args.gen_batch, args.gen_reps)

@@ -104,3 +104,39 @@ def test_training_flops_count_every_matmul_exactly():
         model(**batch).loss.backward()
     assert counter.get_total_flops() == benchmark.training_flops(args, batch["input_ids"].shape,
                                                                  batch["labels"].shape)
+
+
+def test_real_token_flops_equal_the_counter_on_unpadded_sentences():
+    """The CPU MFU numerator counts real tokens only: on a batch of one sentence per row length (no padding) it is
+    torch's FLOP count of forward + backward; adding padding to the same sentences does not change it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    benchmark = load_benchmark()
+    args = benchmark.parse_args(["--quick", "--attn", "eager", "--dropout", "0"])
+    model = benchmark.build_model("ours", args).train()
+    padded = benchmark.make_batch(args, args.batch_tokens)
+    total = 0
+    for row in range(padded["labels"].shape[0]):  # each sentence alone, cut to its real lengths
+        s = int(padded["attention_mask"][row].sum())
+        t = int(padded["labels"][row].ne(-100).sum())
+        one = {"input_ids": padded["input_ids"][row:row + 1, :s],
+               "attention_mask": padded["attention_mask"][row:row + 1, :s],
+               "labels": padded["labels"][row:row + 1, :t]}
+        with FlopCounterMode(display=False) as counter:
+            model(**one).loss.backward()
+        total += counter.get_total_flops()
+        assert counter.get_total_flops() == benchmark.training_flops_real_tokens(args, one)
+    real = benchmark.training_flops_real_tokens(args, padded)
+    assert real == total
+    assert real < benchmark.training_flops(args, padded["input_ids"].shape, padded["labels"].shape)
+
+
+def test_quick_run_reports_mfu_against_the_measured_gemm_peak(quick_run):
+    mfu = quick_run["mfu"]
+    assert positive(mfu["gemm_peak"]["peak_flops_per_s"]) and len(mfu["gemm_peak"]["shapes"]) >= 3
+    row = mfu["sizes"]["quick"]
+    assert 0 < row["real_tokens"] < row["padded_tokens"]
+    for name in ("ours", "marian"):
+        assert positive(row[name]["model_flops_per_s"])
+        assert row[name]["fraction_of_peak"] == pytest.approx(
+            row[name]["model_flops_per_s"] / mfu["gemm_peak"]["peak_flops_per_s"])
