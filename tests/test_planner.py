@@ -123,3 +123,30 @@ def test_process_start_is_in_the_past():
     import time
 
     assert 0 <= time.monotonic() - process_start_monotonic() < 3600
+
+
+def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, monkeypatch, capsys):
+    """The real command with a budget: the plan is printed and recorded, training stops at the planned step, and
+    the logged learning rate falls linearly over the cooldown."""
+    import json
+
+    from training import common
+    from training.train import main
+
+    monkeypatch.setitem(common.PRESETS["tiny"], "cooldown_fraction", 0.5)
+    out = tmp_path / "run"
+    metrics = main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"),
+                    "--max_train_samples", "300", "--max_steps", "24", "--time_budget_minutes", "60",
+                    "--warmup_steps", "4", "--eval_strategy", "no", "--max_test_samples", "4",
+                    "--save_steps", "100", "--logging_steps", "1", "--cpu_bf16", "no"])
+    printed = capsys.readouterr().out
+    assert "Time budget 60 min for the whole command" in printed and "Precision fp32 (--cpu_bf16 no)" in printed
+    assert "-> 24 steps (the preset's full schedule), lr cooldown over the last 12" in printed
+    assert metrics["train_steps"] == 24 and metrics["plan"]["planned_steps"] == 24
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["plan"]["cooldown_steps"] == 12 and 0 < saved["command_minutes"] < 60
+    state = json.loads((out / "checkpoint-24" / "trainer_state.json").read_text())
+    lrs = [log["learning_rate"] for log in state["log_history"] if "learning_rate" in log]
+    tail = lrs[-12:]  # updates 13..24: a straight line down to lr(12) / 13
+    assert all(a > b for a, b in zip(tail, tail[1:]))
+    assert tail[-1] == pytest.approx(lrs[11] / 13, rel=1e-3)

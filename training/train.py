@@ -184,6 +184,12 @@ def main(argv: list[str] | None = None) -> dict:
         training_args.max_steps = preset["max_steps"]
     if "warmup_steps" not in given:
         training_args.warmup_steps = preset["warmup_steps"]
+    # transformers parses --warmup_steps as a float (< 1: a fraction of max_steps); the schedule takes whole steps.
+    warmup = training_args.get_warmup_steps(training_args.max_steps) if training_args.max_steps > 0 else int(
+        training_args.warmup_steps)
+    if warmup < 1:
+        raise ValueError(f"--warmup_steps {training_args.warmup_steps} gives {warmup} warmup steps; Eq. 3 of the paper "
+                         f"needs at least 1 (the paper uses 4000, the cpu preset 400).")
     precision, precision_reason = precision_choice(training_args, recipe)
     if precision == "bf16 autocast" and training_args.device.type == "cpu" and not training_args.bf16:
         training_args.bf16 = True  # autocast on the CPU: about 2-3x faster training where bf16 is native
@@ -238,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     callbacks = [time_limit]
     budget = recipe.time_budget_minutes
     if budget is None and "max_steps" not in given:
-        budget = preset.get("time_budget_minutes")
+        native_bf16 = precision == "bf16 autocast" and training_args.device.type == "cpu" and cpu_has_native_bf16()
+        budget = preset.get("time_budget_minutes_bf16" if native_bf16 else "time_budget_minutes")
     if budget:
         from training.planner import BudgetPlanner
 
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks=callbacks,
         max_tokens=max_tokens,
         d_model=model.config.d_model,
-        warmup=training_args.warmup_steps,
+        warmup=warmup,
         lr_factor=lr_factor,
     )
 
