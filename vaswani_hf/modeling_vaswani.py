@@ -118,8 +118,9 @@ class VaswaniSinusoidalPositionalEncoding(nn.Module):
     """The fixed positional encodings of §3.5, precomputed for `max_position_embeddings` positions.
 
     Not a parameter and not stored in checkpoints (a non-persistent buffer filled in `_init_weights`, so it is
-    right after `from_pretrained`, which builds models on the meta device). Positions past the table are computed
-    on the fly, so inputs of any length work.
+    right after `from_pretrained`, which builds models on the meta device). `reserve(n)` grows the table to n
+    positions; the stacks call it before they embed, outside compiled code, so inputs of any length work in eager
+    mode, while a compiled or exported forward only reads the table (its length checked with `torch._check`).
     """
 
     def __init__(self, num_positions: int, d_model: int):
@@ -127,31 +128,46 @@ class VaswaniSinusoidalPositionalEncoding(nn.Module):
         self.d_model = d_model
         self.register_buffer("weight", sinusoidal_table(num_positions, d_model), persistent=False)
 
+    def reserve(self, num_positions: int) -> None:
+        """Grow the table to hold at least `num_positions` positions (doubling, so growth is rare)."""
+        if num_positions > self.weight.shape[0]:
+            size = max(int(num_positions), 2 * self.weight.shape[0])
+            self.weight = sinusoidal_table(size, self.d_model, dtype=self.weight.dtype, device=self.weight.device)
+
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         """`position_ids` `(T,)` or `(B, T)` -> encodings `(..., D)` in the table's dtype."""
-        table = self.weight
-        needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
-        if needed > table.shape[0]:
-            table = sinusoidal_table(needed, self.d_model, dtype=table.dtype, device=table.device)
-        return table[position_ids]
+        return self.weight[position_ids]
 
 
 class VaswaniLearnedPositionalEmbedding(nn.Embedding):
     """Learned positional embeddings (Table 3, row E): one vector per position up to `max_position_embeddings`."""
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """`position_ids` `(T,)` or `(B, T)` -> embeddings `(..., D)`.
+    def reserve(self, num_positions: int) -> None:
+        """Check that `num_positions` positions fit: learned positions cannot extrapolate.
 
         Raises:
-            ValueError: a position is past `max_position_embeddings` (learned positions cannot extrapolate).
+            ValueError: `num_positions` is more than `max_position_embeddings`.
         """
-        if position_ids.numel() and int(position_ids.max()) >= self.num_embeddings:
+        if num_positions > self.num_embeddings:
             raise ValueError(
-                f"Sequence of {int(position_ids.max()) + 1} tokens is longer than max_position_embeddings="
+                f"Sequence of {num_positions} tokens is longer than max_position_embeddings="
                 f"{self.num_embeddings} of this model's learned positions. Truncate the input (tokenizer "
                 "truncation=True, max_length=...) or use position_embedding_type='sinusoidal', which extrapolates."
             )
-        return super().forward(position_ids)
+
+
+def _embed_positions(embed_positions: nn.Module, start, length, needed, device) -> torch.Tensor:
+    """Encodings `(length, D)` of positions `start, ..., start + length - 1`; the table must hold `needed` positions.
+
+    `start` is an int (or a 0-dim tensor, with transformers' static cache); `needed` an int, or a symbolic size while
+    tracing. In eager mode the table grows (or learned positions refuse) here; when compiling or exporting, a
+    `torch._check` states the bound instead, with no host sync and no data-dependent branch."""
+    if torch.compiler.is_compiling():
+        if not torch.is_tensor(needed):
+            torch._check(needed <= embed_positions.weight.shape[0])
+    else:
+        embed_positions.reserve(int(needed))
+    return embed_positions(torch.arange(length, device=device) + start)
 
 
 # §3.2 Attention ------------------------------------------------------------------------------------------------------
@@ -669,29 +685,36 @@ def _positional_encoding(config: VaswaniConfig) -> nn.Module:
 
 
 def _padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, query_length: int) -> torch.Tensor | None:
-    """`(B, L)` 1/0 mask -> additive `(B, 1, query_length, L)` mask (0 keep, dtype-min drop); `None` if all kept."""
-    if attention_mask is None or bool(attention_mask.all()):
+    """`(B, L)` 1/0 mask -> additive `(B, 1, query_length, L)` mask (0 keep, dtype-min drop); `None` if no mask.
+
+    Built whenever a mask is given, even one that keeps every position: deciding that would read the mask's values
+    (a host sync, and a branch a traced or exported graph would freeze)."""
+    if attention_mask is None:
         return None
     blocked = attention_mask[:, None, None, :].eq(0).expand(-1, 1, query_length, -1)
     return torch.zeros(blocked.shape, dtype=dtype, device=attention_mask.device).masked_fill(
         blocked, torch.finfo(dtype).min)
 
 
-def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, past: int, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor | None:
-    """Additive `(B, 1, T, P + T)` mask hiding future positions (§3.2.3) and padded keys; `None` when only one
-    new position attends to an unpadded past (incremental decoding needs no mask)."""
-    total = past + length
-    if attention_mask is not None and bool(attention_mask.all()):
-        attention_mask = None
-    if length == 1 and attention_mask is None:
+def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, past, key_length: int,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Additive `(B, 1, T, K)` mask hiding future positions (§3.2.3) and padded keys.
+
+    `past` is the number of cached positions (an int, or a 0-dim tensor for transformers' static cache), `key_length`
+    K the number of keys attention sees: `past + T`, or the static cache's full length, whose unwritten slots lie in
+    the future of every query. `attention_mask` is `(B, T)`, `(B, P + T)` or `(B, K)`. `None` when one new position
+    attends to all keys, all of them real (incremental decoding with a dynamic cache needs no mask).
+    """
+    if length == 1 and attention_mask is None and isinstance(past, int) and key_length == past + length:
         return None
-    query_pos = torch.arange(past, total, device=device)[:, None]
-    key_pos = torch.arange(total, device=device)[None, :]
-    blocked = (key_pos > query_pos)[None, None]  # (1, 1, T, P + T)
+    query_pos = torch.arange(length, device=device) + past  # (T,)
+    key_pos = torch.arange(key_length, device=device)  # (K,)
+    blocked = (key_pos[None, :] > query_pos[:, None])[None, None]  # (1, 1, T, K)
     if attention_mask is not None:
-        blocked = blocked | attention_mask[:, None, None, -total:].eq(0)
-    blocked = blocked.expand(batch, 1, length, total)
+        if attention_mask.shape[1] < key_length:  # a static cache's future slots: hidden by causality already
+            attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[1]), value=1)
+        blocked = blocked | attention_mask[:, None, None, -key_length:].eq(0)
+    blocked = blocked.expand(batch, 1, length, key_length)
     return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)
 
 
@@ -733,10 +756,10 @@ class VaswaniEncoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("VaswaniEncoder: pass exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
-            _check_ids(input_ids, self.embed_tokens.num_embeddings, "input_ids")
+            check_input_ids(input_ids, self.embed_tokens.num_embeddings, "input_ids")
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
-        positions = self.embed_positions(torch.arange(length, device=inputs_embeds.device))  # (S, D)
+        positions = _embed_positions(self.embed_positions, 0, length, length, inputs_embeds.device)  # (S, D)
         hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
         hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
         mask = _padding_mask(attention_mask, hidden_states.dtype, length)
@@ -800,17 +823,23 @@ class VaswaniDecoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("VaswaniDecoder: pass exactly one of decoder_input_ids or decoder_inputs_embeds.")
         if inputs_embeds is None:
-            _check_ids(input_ids, self.embed_tokens.num_embeddings, "decoder_input_ids")
+            check_input_ids(input_ids, self.embed_tokens.num_embeddings, "decoder_input_ids")
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(VaswaniSelfAttentionCache(), DynamicCache())
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
-
-        positions = self.embed_positions(torch.arange(past, past + length, device=inputs_embeds.device))
+        past, key_length = 0, length
+        if past_key_values is not None:
+            past = past_key_values.get_seq_length()  # a 0-dim tensor for a static cache
+            key_length = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values.is_compileable \
+                else past + length
+        # Positions past + 0..T-1; a static cache reserves its whole length (its `past` is a tensor).
+        needed = past + length if isinstance(past, int) else key_length
+        positions = _embed_positions(self.embed_positions, past, length, needed, inputs_embeds.device)  # (T, D)
         hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
         hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
-        self_mask = _causal_mask(attention_mask, batch, length, past, hidden_states.dtype, hidden_states.device)
+        self_mask = _causal_mask(attention_mask, batch, length, past, key_length, hidden_states.dtype,
+                                 hidden_states.device)
         cross_mask = _padding_mask(encoder_attention_mask, hidden_states.dtype, length)
 
         all_hidden, all_self, all_cross = [], [], []
@@ -836,11 +865,26 @@ class VaswaniDecoder(nn.Module):
         }
 
 
-def _check_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
-    """Raise a clear error for token ids outside the embedding table (a tokenizer/model vocabulary mismatch)."""
-    if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+def check_input_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+    """Raise a clear error for token ids outside the embedding table (a tokenizer/model vocabulary mismatch).
+
+    The encoder and decoder call it on entry in eager mode. Reading the ids' range is a host sync, so on a GPU it
+    becomes an asynchronous device assertion, and a compiled or exported forward skips it (there, check the ids
+    before the call: `check_input_ids(batch["input_ids"], model.config.vocab_size)`).
+
+    Raises:
+        ValueError: an id is negative or not less than `vocab_size` (CPU tensors).
+    """
+    if torch.compiler.is_compiling() or not ids.numel():
+        return
+    if ids.device.type != "cpu":
+        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(),
+                            f"{name} holds a token id outside this model's vocabulary of {vocab_size} entries")
+        return
+    high, low = int(ids.max()), int(ids.min())
+    if high >= vocab_size or low < 0:
         raise ValueError(
-            f"{name} holds token id {int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())}, outside "
+            f"{name} holds token id {high if high >= vocab_size else low}, outside "
             f"this model's vocabulary of {vocab_size} entries. The tokenizer does not match the model: load the "
             "tokenizer saved with the model, or resize the embeddings with model.resize_token_embeddings(len(tokenizer))."
         )
