@@ -9,7 +9,7 @@ The file reads top to bottom like §3 of the paper:
     §3.1  encoder and decoder layers ..... VaswaniEncoderLayer, VaswaniDecoderLayer (the FFN of §3.3 inside)
     §3.1  the two stacks ................. VaswaniEncoder, VaswaniDecoder
     §3.4  shared embeddings and softmax .. VaswaniModel, VaswaniForConditionalGeneration
-    §5.4  label-smoothed loss ............ VaswaniForConditionalGeneration.forward
+    §5.4  loss (label smoothing on request) VaswaniForConditionalGeneration.forward
 
 It imports only torch, transformers and `configuration_vaswani.py`: the two files are copied to the Hub and loaded
 there with `trust_remote_code=True`.
@@ -997,7 +997,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
 
 class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     """The whole Transformer: `VaswaniModel` plus the pre-softmax linear projection `lm_head` (§3.4), which shares
-    its weight with the embeddings (`tie_word_embeddings`), and the label-smoothed loss (§5.4).
+    its weight with the embeddings (`tie_word_embeddings`), and the loss (label-smoothed on request, §5.4).
 
     Its `generation_config` defaults to the paper's decoding (§6.1): beam 4, length penalty 0.6.
     """
@@ -1179,6 +1179,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        label_smoothing: float | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput:
         """
@@ -1192,10 +1193,13 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             logits_to_keep: without `labels`, project only the last `logits_to_keep` target positions (an int; 0, the
                 default, keeps all) or the positions in a 1-D index tensor to the vocabulary. `generate()` passes 1,
                 which matters when the decoder starts from a forced prefix of several tokens. Ignored with `labels`.
+            label_smoothing: epsilon of label smoothing for the loss; `None` (default) and 0 give the plain
+                cross-entropy, as every transformers model returns. The training recipe passes
+                `config.label_smoothing` (0.1, §5.4) in training steps only, so evaluation losses stay unsmoothed.
         Returns:
             `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the mean
-            over labelled tokens of the cross-entropy with label smoothing `config.label_smoothing` (§5.4; epsilon
-            spread uniformly over the vocabulary, torch's definition).
+            over labelled tokens of the cross-entropy (label-smoothed by `label_smoothing` when given: epsilon spread
+            uniformly over the vocabulary, torch's definition).
         """
         if labels is not None:
             use_cache = False
@@ -1222,7 +1226,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states)  # (B, T, V)
         loss = None
         if labels is not None:
-            loss = self.loss(logits, labels, num_items_in_batch)
+            loss = self.loss(logits, labels, num_items_in_batch, label_smoothing=label_smoothing or 0.0)
         output = Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
@@ -1236,13 +1240,14 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         )
         return output if return_dict is not False else output.to_tuple()
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor,
-             num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-        """Label-smoothed cross-entropy (§5.4), summed over labelled tokens and divided by `num_items_in_batch`
-        (default: the number of labels != -100 in `labels`). `logits` `(B, T, V)`, `labels` `(B, T)` -> scalar."""
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
+             label_smoothing: float = 0.0) -> torch.Tensor:
+        """Cross-entropy, label-smoothed by `label_smoothing` (§5.4 trains with 0.1), summed over labelled tokens and
+        divided by `num_items_in_batch` (default: the number of labels != -100 in `labels`).
+        `logits` `(B, T, V)`, `labels` `(B, T)` -> scalar."""
         labels = labels.to(logits.device)
         total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                reduction="sum", label_smoothing=self.config.label_smoothing)
+                                reduction="sum", label_smoothing=label_smoothing)
         if num_items_in_batch is None:
             num_items_in_batch = labels.ne(-100).sum()
         if torch.is_tensor(num_items_in_batch):
