@@ -57,10 +57,11 @@ def test_cached_and_uncached_generation_are_identical(kwargs):
 @pytest.mark.parametrize("kwargs", [dict(num_beams=1, do_sample=False), dict(num_beams=4)])
 def test_cross_attention_keys_and_values_are_computed_once_per_generate(kwargs):
     model = make_tiny_model()
+    model.use_cpu_packed_linears = False  # k_proj itself runs (not the packed k|v matrix), so the hook sees it
     ids, mask = padded_batch(length=9)
     calls = []
     for layer in model.model.decoder.layers:
-        layer.encoder_attn.kv_proj.register_forward_hook(lambda *args: calls.append(1))
+        layer.encoder_attn.k_proj.register_forward_hook(lambda *args: calls.append(1))
     out = model.generate(input_ids=ids, attention_mask=mask, **kwargs, **SHORT)
     assert out.shape[1] == 9  # 8 decoding steps
     assert len(calls) == 2  # once per decoder layer, not once per step

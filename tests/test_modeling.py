@@ -400,7 +400,8 @@ def test_initialization():
         assert linear.weight.abs().max() > 0.98 * bound
         assert linear.weight.var().item() == pytest.approx(bound**2 / 3, rel=0.1)
         assert linear.bias.abs().max() == 0
-    for linear in (layer.self_attn.qkv_proj, layer.encoder_attn.q_proj, layer.encoder_attn.kv_proj):
+    for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.encoder_attn.q_proj,
+                   layer.encoder_attn.k_proj, layer.encoder_attn.v_proj):
         bound = math.sqrt(6 / (4 * 64))  # each (D, D) block Xavier-uniform with gain 1/sqrt(2), as fairseq
         assert linear.weight.abs().max() <= bound and linear.weight.abs().max() > 0.98 * bound
         assert linear.weight.var().item() == pytest.approx(bound**2 / 3, rel=0.1)
@@ -549,3 +550,39 @@ def test_resize_token_embeddings_without_full_sharing(overrides, tmp_path):
     ids, target = torch.tensor([[5, 119, 2]]), torch.tensor([[1, 40]])
     torch.testing.assert_close(reloaded(input_ids=ids, decoder_input_ids=target).logits,
                                model(input_ids=ids, decoder_input_ids=target).logits)
+
+
+def test_checkpoints_with_fused_input_projections_still_load(tmp_path):
+    # Checkpoints written when self-attention had one fused `qkv_proj` (D -> 3D) and encoder-decoder attention a
+    # fused `kv_proj` (D -> 2D) load into the separate q_proj, k_proj, v_proj, with the same outputs.
+    from safetensors.torch import load_file, save_file
+
+    model = make_tiny_model(seed=4)
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    old = {}
+    for key, tensor in state.items():
+        for part in ("q_proj", "k_proj", "v_proj"):
+            if f".{part}." in key:
+                attention, suffix = key.split(f".{part}.")
+                if attention.endswith("encoder_attn") and part != "q_proj":
+                    old[f"{attention}.kv_proj.{suffix}"] = torch.cat(
+                        [state[f"{attention}.k_proj.{suffix}"], state[f"{attention}.v_proj.{suffix}"]])
+                elif not attention.endswith("encoder_attn"):
+                    old[f"{attention}.qkv_proj.{suffix}"] = torch.cat(
+                        [state[f"{attention}.{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")])
+                else:
+                    old[key] = tensor
+                break
+        else:
+            old[key] = tensor
+    assert any(".qkv_proj." in key for key in old) and any(".kv_proj." in key for key in old)
+    assert not any(".k_proj." in key for key in old)
+    save_file(old, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    ids, mask = padded_batch(length=9)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits,
+                                   model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits)

@@ -236,28 +236,32 @@ class VaswaniLinear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
 
+    def uses_packed(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` takes the oneDNN path."""
+        return (self.packed_weight is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+                and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+                and not torch.compiler.is_compiling())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed_weight
-        if (packed is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        if self.uses_packed(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return super().forward(x)
 
 
 class VaswaniInputProjection(VaswaniLinear):
-    """A fused query/key/value input projection of `VaswaniAttention` (`qkv_proj`, `q_proj`, `kv_proj`): an
-    `nn.Linear` whose `(n * D, D)` weight stacks n separate `(D, D)` matrices W^Q, W^K, W^V (§3.2.2). Its own type
-    lets `_init_weights` initialize each block as fairseq does (a parameter-less parent module is never visited by
-    transformers' initialization of custom-code models)."""
+    """A query, key or value input projection of `VaswaniAttention` (`q_proj`, `k_proj`, `v_proj`: W^Q, W^K, W^V of
+    §3.2.2, `(D, D)` each). Its own type lets `_init_weights` initialize them as fairseq does."""
 
 
 class VaswaniAttention(nn.Module):
     """Multi-head attention (§3.2.2): MultiHead(Q, K, V) = Concat(head_1..head_h) W^O.
 
-    Self-attention projects queries, keys and values with one fused matrix `qkv_proj` (D -> 3D); encoder-decoder
-    attention (§3.2.3) projects queries from the decoder with `q_proj` (D -> D) and keys and values from the
-    encoder output with one fused `kv_proj` (D -> 2D), which it computes once per `generate()` call and then reads
-    from the cache. The attention kernel comes from transformers' attention interface for
+    Queries, keys and values have their own projections `q_proj`, `k_proj`, `v_proj` (D -> D each, the names PEFT
+    and every tutorial use); encoder-decoder attention (§3.2.3) projects queries from the decoder and keys and values
+    from the encoder output, which it computes once per `generate()` call and then reads from the cache. Inside
+    `generate()` on a CPU, `fused_inputs` holds the stacked projections that one input feeds (q|k|v for
+    self-attention, k|v for encoder-decoder attention) as one oneDNN-packed matrix, so that a decoding step multiplies
+    once instead of three (or two) times. The attention kernel comes from transformers' attention interface for
     `config._attn_implementation`: "sdpa" (default) or "eager" (`eager_attention_forward` above, the reference, which
     also runs whenever `output_attentions=True`), or any function registered with `AttentionInterface` that takes
     additive `(B, 1, T_q, T_k)` masks.
@@ -275,12 +279,18 @@ class VaswaniAttention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.is_causal = is_causal
         self.layer_idx = layer_idx
-        if is_cross_attention:
-            self.q_proj = VaswaniInputProjection(self.d_model, self.d_model)
-            self.kv_proj = VaswaniInputProjection(self.d_model, 2 * self.d_model)
-        else:
-            self.qkv_proj = VaswaniInputProjection(self.d_model, 3 * self.d_model)
+        self.q_proj = VaswaniInputProjection(self.d_model, self.d_model)
+        self.k_proj = VaswaniInputProjection(self.d_model, self.d_model)
+        self.v_proj = VaswaniInputProjection(self.d_model, self.d_model)
         self.out_proj = VaswaniLinear(self.d_model, self.d_model)
+
+    fused_inputs: VaswaniLinear | None = None  # set by `cpu_packed_linears` (not a submodule, not saved)
+
+    def _project(self, x: torch.Tensor, projections: tuple[nn.Module, ...], fused: bool) -> tuple[torch.Tensor, ...]:
+        """`(B, L, D)` -> one `(B, H, L, Dh)` tensor per projection; with the packed fused matrix when it applies."""
+        if fused and self.fused_inputs is not None and self.fused_inputs.uses_packed(x):
+            return self._heads(self.fused_inputs(x))
+        return tuple(self._heads(projection(x))[0] for projection in projections)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, L, n*D)` -> n tensors `(B, H, L, Dh)`."""
@@ -315,14 +325,14 @@ class VaswaniAttention(nn.Module):
             if cache is not None and past_key_values.is_updated.get(self.layer_idx):
                 key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
             else:
-                key, value = self._heads(self.kv_proj(key_value_states))
+                key, value = self._project(key_value_states, (self.k_proj, self.v_proj), fused=True)
                 if cache is not None:
                     key, value = cache.update(key, value, self.layer_idx)
                     past_key_values.is_updated[self.layer_idx] = True
             if key.shape[0] != batch:
                 query, attention_mask, groups = self._grouped(query, key, attention_mask)
         else:
-            query, key, value = self._heads(self.qkv_proj(hidden_states))  # each (B, H, T, Dh)
+            query, key, value = self._project(hidden_states, (self.q_proj, self.k_proj, self.v_proj), fused=True)
             if past_key_values is not None:
                 cache = past_key_values
                 if isinstance(cache, EncoderDecoderCache):
@@ -619,6 +629,11 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf.
         """
         kwargs.setdefault("use_safetensors", True)
+        legacy = None
+        if kwargs.get("state_dict") is None and pretrained_model_name_or_path is not None:
+            legacy = _read_fused_projection_checkpoint(pretrained_model_name_or_path, kwargs)
+        if legacy is not None:  # weights converted here; config and generation config still read from the folder
+            return cls._from_converted(pretrained_model_name_or_path, legacy, *args, **kwargs)
         try:
             loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except Exception as error:
@@ -636,6 +651,26 @@ class VaswaniPreTrainedModel(PreTrainedModel):
                     f"{pretrained_model_name_or_path}: weight {name} holds NaN or infinite values. The weights file is "
                     "corrupted, or the training run that wrote it diverged; load an earlier checkpoint."
                 )
+        return loaded
+
+    @classmethod
+    def _from_converted(cls, path, state_dict: dict[str, torch.Tensor], *args, **kwargs):
+        """`from_pretrained` of a checkpoint whose weights `split_fused_projections` converted to `state_dict`."""
+        hub = {name: kwargs[name] for name in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
+               if kwargs.get(name) is not None}
+        if not isinstance(kwargs.get("config"), VaswaniConfig):
+            kwargs["config"] = cls.config_class.from_pretrained(kwargs.pop("config", None) or path, **hub)
+        for name in hub:
+            kwargs.pop(name)
+        logger.info(f"{path}: converting fused attention input projections (qkv_proj, kv_proj) to q_proj, k_proj, "
+                    "v_proj; save the model again to store the new names.")
+        loaded = super().from_pretrained(None, *args, state_dict=state_dict, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if hasattr(model, "generation_config"):
+            try:
+                model.generation_config = GenerationConfig.from_pretrained(path, **hub)
+            except OSError:  # no generation_config.json: the defaults from the config stay
+                pass
         return loaded
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
@@ -656,7 +691,7 @@ class VaswaniPreTrainedModel(PreTrainedModel):
         d_model = self.config.d_model
         if isinstance(module, VaswaniInputProjection):
             # fairseq initializes q, k and v as separate (D, D) matrices, xavier-uniform with gain 1/sqrt(2):
-            # uniform(+-sqrt(6 / 4D)) for every block, whichever of them a fused projection stacks.
+            # uniform(+-sqrt(6 / 4D)).
             bound = math.sqrt(6.0 / (4 * d_model))
             init.uniform_(module.weight, -bound, bound)
             init.zeros_(module.bias)
@@ -676,6 +711,50 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
         elif isinstance(module, VaswaniSinusoidalPositionalEncoding):
             init.copy_(module.weight, sinusoidal_table(*module.weight.shape))
+
+
+_FUSED_PROJECTIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("kv_proj", ("k_proj", "v_proj")))
+
+
+def split_fused_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint keys of the fused input projections (`self_attn.qkv_proj`, `encoder_attn.kv_proj`, whose `(n * D, D)`
+    weights stack W^Q, W^K, W^V) as the separate `q_proj`, `k_proj`, `v_proj` of `VaswaniAttention`; other keys as they
+    are."""
+    converted = {}
+    for key, tensor in state_dict.items():
+        for fused, names in _FUSED_PROJECTIONS:
+            if f".{fused}." in key:
+                prefix, suffix = key.split(f".{fused}.")
+                for name, block in zip(names, tensor.chunk(len(names), dim=0), strict=True):
+                    converted[f"{prefix}.{name}.{suffix}"] = block.contiguous()
+                break
+        else:
+            converted[key] = tensor
+    return converted
+
+
+def _read_fused_projection_checkpoint(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
+    """The state dict of a checkpoint written with fused input projections, converted by `split_fused_projections`;
+    `None` for a checkpoint with today's names or one that cannot be read here (`from_pretrained` then reads it and
+    reports any problem itself)."""
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+        from transformers.utils import cached_file
+
+        options = {name: kwargs[name] for name in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
+                   if kwargs.get(name) is not None}
+        file = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **options)
+        if file is None:
+            return None
+        with safe_open(file, framework="pt") as handle:
+            keys = list(handle.keys())
+        if not any(f".{fused}." in key for key in keys for fused, _ in _FUSED_PROJECTIONS):
+            return None
+        return split_fused_projections(load_file(file))
+    except Exception:  # noqa: BLE001 - the normal loading path reports what is wrong with the file
+        return None
 
 
 def _positional_encoding(config: VaswaniConfig) -> nn.Module:
@@ -1072,7 +1151,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         `use_cpu_packed_linears` is True (the class attribute; set it to False to turn the path off). `generate()`
         runs inside it. Packing copies every linear weight once (about 70 ms and as much memory again as the linear
         weights, base size); the copies are dropped on exit, so weights changed between calls are always seen.
-        Nested uses keep the outer packing. Yields whether the weights are packed."""
+        Nested uses keep the outer packing. Yields whether the weights are packed.
+
+        The input projections that read one input are also stacked into one packed matrix per attention
+        (`VaswaniAttention.fused_inputs`: q|k|v, or k|v in encoder-decoder attention), when they are plain
+        projections (not wrapped, e.g. by a PEFT adapter, which then keeps its own forward)."""
         linears = [module for module in self.modules() if isinstance(module, VaswaniLinear)]
         wanted = (self.use_cpu_packed_linears and _has_onednn_linear() and linears
                   and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
@@ -1081,8 +1164,24 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         if not wanted:
             yield False
             return
+        fused = {}  # attention -> its stacked input projections
+        for module in self.modules():
+            if isinstance(module, VaswaniAttention):
+                group = (module.k_proj, module.v_proj) if module.is_cross_attention else \
+                    (module.q_proj, module.k_proj, module.v_proj)
+                if all(type(projection) is VaswaniInputProjection for projection in group):
+                    fused[module] = group
+        covered = {id(projection) for group in fused.values() for projection in group}
+        linears = [module for module in linears if id(module) not in covered]
         try:
             with torch.no_grad():
+                stacked = {}
+                for attention, group in fused.items():
+                    linear = VaswaniLinear(self.config.d_model, len(group) * self.config.d_model, device="meta")
+                    linear.weight = nn.Parameter(torch.cat([p.weight.detach() for p in group]), requires_grad=False)
+                    linear.bias = nn.Parameter(torch.cat([p.bias.detach() for p in group]), requires_grad=False)
+                    stacked[attention] = linear
+                linears += list(stacked.values())
                 packed = [torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64) for module in linears]
         except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
             logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
@@ -1090,11 +1189,15 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             return
         for module, weight in zip(linears, packed, strict=True):
             module.packed_weight = weight
+        for attention, linear in stacked.items():
+            attention.__dict__["fused_inputs"] = linear  # a plain attribute: not a submodule, never in state_dict
         try:
             yield True
         finally:
             for module in linears:
                 module.packed_weight = None
+            for attention in stacked:
+                attention.__dict__.pop("fused_inputs", None)
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False,
                                       input_ids: torch.LongTensor | None = None, **model_kwargs):
