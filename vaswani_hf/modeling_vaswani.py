@@ -19,6 +19,7 @@ D d_model, H heads, Dh = D / H, V vocabulary.
 """
 
 import contextlib
+import copy
 import functools
 import math
 from collections.abc import Callable
@@ -613,7 +614,7 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     # wrong attention.
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -781,9 +782,15 @@ def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, p
 
     `past` is the number of cached positions (an int, or a 0-dim tensor for transformers' static cache), `key_length`
     K the number of keys attention sees: `past + T`, or the static cache's full length, whose unwritten slots lie in
-    the future of every query. `attention_mask` is `(B, T)`, `(B, P + T)` or `(B, K)`. `None` when one new position
-    attends to all keys, all of them real (incremental decoding with a dynamic cache needs no mask).
+    the future of every query. `attention_mask` is `(B, T)`, `(B, P + T)` or `(B, K)` (1 keep, 0 pad), or a ready
+    `(B, 1, T, K)` mask, boolean (True attends) or additive, as `generate()` builds for a static cache. `None` when one
+    new position attends to all keys, all of them real (incremental decoding with a dynamic cache needs no mask).
     """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if attention_mask.dtype == torch.bool:
+            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill(
+                ~attention_mask, torch.finfo(dtype).min)
+        return attention_mask.to(dtype)
     if length == 1 and attention_mask is None and isinstance(past, int) and key_length == past + length:
         return None
     query_pos = torch.arange(length, device=device) + past  # (T,)
@@ -1129,7 +1136,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             value = kwargs.get(name, getattr(config, name, None))
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"generate(): {name} must be an integer >= 1, got {value!r}.")
-        with self.cpu_packed_linears():
+        with self.cpu_packed_linears(), self._length_limit_for(kwargs):
             outputs = super().generate(*args, **kwargs)
         sequences = outputs if torch.is_tensor(outputs) else getattr(outputs, "sequences", None)
         generation_config = kwargs.get("generation_config") or self.generation_config
@@ -1143,6 +1150,28 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
         sequences[:, 1:].masked_fill_(after, int(pad))
         return outputs
+
+    @contextlib.contextmanager
+    def _length_limit_for(self, kwargs: dict):
+        """Inside it, a `generate(**kwargs)` call that sets `max_new_tokens` and no `max_length` sees no
+        `max_length`: the default one of the generation config (256) only bounds calls that give no length, and
+        transformers would otherwise warn on every call that both are set (`max_new_tokens` wins either way)."""
+        given = kwargs.get("generation_config")
+        config = given or self.generation_config
+        if (kwargs.get("max_new_tokens", config.max_new_tokens) is None or kwargs.get("max_length") is not None
+                or self.generation_config.max_length is None):
+            yield
+            return
+        original = self.generation_config
+        self.generation_config = copy.deepcopy(original)
+        self.generation_config.max_length = None
+        if given is not None:
+            kwargs["generation_config"] = copy.deepcopy(given)
+            kwargs["generation_config"].max_length = None
+        try:
+            yield
+        finally:
+            self.generation_config = original
 
     @contextlib.contextmanager
     def cpu_packed_linears(self):
