@@ -1,6 +1,6 @@
 """The faster paths of the model do what the plain ones do.
 
-- `apply_dropout` on a CPU (`_CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
+- `apply_dropout` on a CPU (`CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
 - "sdpa" attention in bf16 on a CPU runs `half_precision_cpu_attention_forward` (fp32 scores; torch's CPU flash
   kernel is slow in bf16);
 - `VaswaniSelfAttentionCacheLayer` (keys and values written in place into a preallocated buffer) holds what
@@ -14,11 +14,8 @@ import torch.nn.functional as F
 from conftest import make_tiny_model, padded_batch
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
-from vaswani_hf.modeling_vaswani import (
-    VaswaniSelfAttentionCache,
-    VaswaniSelfAttentionCacheLayer,
-    apply_dropout,
-)
+from vaswani_hf.kernels_vaswani import VaswaniSelfAttentionCache, VaswaniSelfAttentionCacheLayer
+from vaswani_hf.modeling_vaswani import apply_dropout
 
 
 def test_cpu_dropout_keeps_one_minus_p_and_scales_the_kept_elements():
