@@ -13,7 +13,7 @@ Measured:
 
 * training: tokens/s of a whole step (forward, backward, Adam step, zero_grad) in train mode with dropout. The loss
   is the same on both: by default plain cross-entropy (`--label-smoothing 0`), which is what Marian's forward
-  computes from `labels` and what ours computes with `label_smoothing=0`; with `--label-smoothing 0.1` Marian is
+  computes from `labels` and what ours computes by default; ours gets `label_smoothing=`; with `--label-smoothing 0.1` Marian is
   called without labels and its loss is the same `F.cross_entropy(..., label_smoothing=0.1)` computed on its
   logits, summed and divided by the number of labelled tokens, as ours does internally. Tokens are the labelled
   (non-padding) target tokens of the batch, as fairseq's `wps` counts them.
@@ -196,8 +196,10 @@ def training_step(name: str, model, optimizer, batch, args) -> float:
             labels = batch["labels"]
             loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
                                    reduction="sum", label_smoothing=args.label_smoothing) / labels.ne(-100).sum()
-        else:
+        elif name == "marian":
             loss = model(**batch).loss
+        else:
+            loss = model(**batch, label_smoothing=args.label_smoothing).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

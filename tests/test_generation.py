@@ -1,5 +1,6 @@
 """generate(): greedy, beam search and sampling; the cache; padding; text in, text out."""
 
+import copy
 import pytest
 import torch
 from conftest import make_tiny_model, padded_batch
@@ -57,10 +58,11 @@ def test_cached_and_uncached_generation_are_identical(kwargs):
 @pytest.mark.parametrize("kwargs", [dict(num_beams=1, do_sample=False), dict(num_beams=4)])
 def test_cross_attention_keys_and_values_are_computed_once_per_generate(kwargs):
     model = make_tiny_model()
+    model.use_cpu_packed_linears = False  # k_proj itself runs (not the packed k|v matrix), so the hook sees it
     ids, mask = padded_batch(length=9)
     calls = []
     for layer in model.model.decoder.layers:
-        layer.encoder_attn.kv_proj.register_forward_hook(lambda *args: calls.append(1))
+        layer.encoder_attn.k_proj.register_forward_hook(lambda *args: calls.append(1))
     out = model.generate(input_ids=ids, attention_mask=mask, **kwargs, **SHORT)
     assert out.shape[1] == 9  # 8 decoding steps
     assert len(calls) == 2  # once per decoder layer, not once per step
@@ -165,9 +167,62 @@ def test_translation_pipeline_returns_text(tiny_tokenizer, parallel_text):
     translator = pipeline("translation", model=model, tokenizer=tiny_tokenizer)
     sources = parallel_text[0][:2]
     results = translator(sources, max_new_tokens=6, num_beams=2)
-    assert len(results) == 2
+    assert len(results) == 2 and all(isinstance(result, dict) for result in results)  # flat, as in transformers
+    single = translator(sources[0], max_new_tokens=6, num_beams=2)
+    assert single == [results[0]]
     for result, source in zip(results, sources):
-        text = result["translation_text"] if isinstance(result, dict) else result[0]["translation_text"]
+        text = result["translation_text"]
         assert isinstance(text, str) and text
         expected = model.generate(**tiny_tokenizer(source, return_tensors="pt"), max_new_tokens=6, num_beams=2)
         assert text == tiny_tokenizer.decode(expected[0], skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_beams=1), dict(num_beams=3), dict(do_sample=True, num_return_sequences=2)])
+def test_static_cache_gives_the_dynamic_caches_tokens(kwargs):
+    model = make_tiny_model(seed=2)
+    ids, mask = padded_batch(length=9)
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, **kwargs)
+    torch.manual_seed(0)
+    dynamic = model.generate(**common)
+    torch.manual_seed(0)
+    static = model.generate(**common, cache_implementation="static")
+    assert torch.equal(static, dynamic)
+
+
+def test_compiled_decoding_step_gives_eager_tokens():
+    from transformers import CompileConfig
+
+    model = make_tiny_model(seed=2)
+    ids, mask = padded_batch(length=9)
+    graphs = []
+
+    def backend(graph_module, example_inputs):  # records each compiled graph, runs it as traced
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles decoding steps on GPUs only by default
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=1)
+    eager = model.generate(**common)
+    compiled = model.generate(**common, cache_implementation="static", compile_config=compile_config)
+    assert graphs  # the decoding step was traced whole (fullgraph=True raises on any graph break)
+    assert torch.equal(compiled, eager)
+
+
+def test_plain_generate_calls_do_not_warn():
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    model = make_tiny_model()
+    ids, mask = padded_batch(length=9)
+    assert model.generation_config.max_length == 256  # the bound of calls that give no length
+    with CaptureLogger(logging.get_logger("transformers.generation.utils")) as captured:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                       generation_config=copy.deepcopy(model.generation_config))
+    assert out.shape == (3, 6)
+    assert "max_length" not in captured.out, captured.out
+    with CaptureLogger(logging.get_logger("transformers.generation.utils")) as captured:  # the check can fail
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, max_length=30)
+    assert "max_length" in captured.out
+    assert model.generation_config.max_length == 256  # restored

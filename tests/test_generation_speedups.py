@@ -89,10 +89,11 @@ def test_cross_attention_probabilities_come_back_one_row_per_beam():
 @pytest.mark.parametrize("kwargs", [dict(num_beams=4), dict(do_sample=True, num_return_sequences=3)])
 def test_encoder_decoder_keys_and_values_are_projected_once_per_sentence(kwargs):
     model = make_tiny_model()
+    model.use_cpu_packed_linears = False  # k_proj itself runs (not the packed k|v matrix), so the hook sees it
     ids, mask = padded_batch(length=9)
     rows = []
     for layer in model.model.decoder.layers:
-        layer.encoder_attn.kv_proj.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+        layer.encoder_attn.k_proj.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
     out = model.generate(input_ids=ids, attention_mask=mask, **kwargs, **SHORT)
     assert out.shape[0] == 3 * kwargs.get("num_return_sequences", 1)
     assert rows == [3, 3]  # once per layer, for the 3 sentences, not for each of their beams or samples

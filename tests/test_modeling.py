@@ -271,7 +271,9 @@ def test_loss_is_mean_token_cross_entropy_over_labelled_positions():
                                out.logits)
 
 
-def test_label_smoothing_follows_section_5_4():
+def test_loss_is_plain_cross_entropy_unless_label_smoothing_is_passed():
+    # transformers' convention: forward returns plain cross-entropy, whatever config.label_smoothing says; the
+    # training recipe asks for the smoothing of §5.4 explicitly.
     model = make_tiny_model()
     assert model.config.label_smoothing == 0.1
     ids, mask = padded_batch(length=9)
@@ -279,10 +281,11 @@ def test_label_smoothing_follows_section_5_4():
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     log_probs = out.logits.log_softmax(-1)[labels != -100]  # (N, V)
     nll = -log_probs.gather(-1, labels[labels != -100][:, None]).squeeze(-1)
+    torch.testing.assert_close(out.loss, nll.mean())
+    smoothed = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1).loss
     uniform = -log_probs.mean(-1)  # cross-entropy against the uniform distribution
-    torch.testing.assert_close(out.loss, (0.9 * nll + 0.1 * uniform).mean())
-    plain = make_tiny_model(label_smoothing=0.0)(input_ids=ids, attention_mask=mask, labels=labels).loss
-    assert abs(plain.item() - out.loss.item()) > 1e-3
+    torch.testing.assert_close(smoothed, (0.9 * nll + 0.1 * uniform).mean())
+    assert abs(smoothed.item() - out.loss.item()) > 1e-3
 
 
 def test_loss_is_exact_under_gradient_accumulation():
@@ -314,7 +317,7 @@ def test_trainer_label_smoothing_factor_matches_the_models_own_loss(tmp_path):
     model = make_tiny_model(dropout=0.0, label_smoothing=0.1)
     ids, mask = padded_batch(length=9)
     labels = labels_for(*padded_batch(seed=2, length=7))
-    own = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    own = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1).loss
     args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, report_to=[], use_cpu=True)
     trainer = Trainer(model=model, args=args)
     assert trainer.label_smoother is not None
@@ -324,8 +327,7 @@ def test_trainer_label_smoothing_factor_matches_the_models_own_loss(tmp_path):
         via_trainer = trainer.compute_loss(model, inputs)
     torch.testing.assert_close(via_trainer, own.detach())
     # and the model's plain loss differs from it
-    plain_model = make_tiny_model(dropout=0.0, label_smoothing=0.0)
-    plain = plain_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    plain = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     assert abs(plain.item() - own.item()) > 1e-3
 
 
@@ -398,7 +400,8 @@ def test_initialization():
         assert linear.weight.abs().max() > 0.98 * bound
         assert linear.weight.var().item() == pytest.approx(bound**2 / 3, rel=0.1)
         assert linear.bias.abs().max() == 0
-    for linear in (layer.self_attn.qkv_proj, layer.encoder_attn.q_proj, layer.encoder_attn.kv_proj):
+    for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.encoder_attn.q_proj,
+                   layer.encoder_attn.k_proj, layer.encoder_attn.v_proj):
         bound = math.sqrt(6 / (4 * 64))  # each (D, D) block Xavier-uniform with gain 1/sqrt(2), as fairseq
         assert linear.weight.abs().max() <= bound and linear.weight.abs().max() > 0.98 * bound
         assert linear.weight.var().item() == pytest.approx(bound**2 / 3, rel=0.1)
@@ -547,3 +550,39 @@ def test_resize_token_embeddings_without_full_sharing(overrides, tmp_path):
     ids, target = torch.tensor([[5, 119, 2]]), torch.tensor([[1, 40]])
     torch.testing.assert_close(reloaded(input_ids=ids, decoder_input_ids=target).logits,
                                model(input_ids=ids, decoder_input_ids=target).logits)
+
+
+def test_checkpoints_with_fused_input_projections_still_load(tmp_path):
+    # Checkpoints written when self-attention had one fused `qkv_proj` (D -> 3D) and encoder-decoder attention a
+    # fused `kv_proj` (D -> 2D) load into the separate q_proj, k_proj, v_proj, with the same outputs.
+    from safetensors.torch import load_file, save_file
+
+    model = make_tiny_model(seed=4)
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    old = {}
+    for key, tensor in state.items():
+        for part in ("q_proj", "k_proj", "v_proj"):
+            if f".{part}." in key:
+                attention, suffix = key.split(f".{part}.")
+                if attention.endswith("encoder_attn") and part != "q_proj":
+                    old[f"{attention}.kv_proj.{suffix}"] = torch.cat(
+                        [state[f"{attention}.k_proj.{suffix}"], state[f"{attention}.v_proj.{suffix}"]])
+                elif not attention.endswith("encoder_attn"):
+                    old[f"{attention}.qkv_proj.{suffix}"] = torch.cat(
+                        [state[f"{attention}.{p}.{suffix}"] for p in ("q_proj", "k_proj", "v_proj")])
+                else:
+                    old[key] = tensor
+                break
+        else:
+            old[key] = tensor
+    assert any(".qkv_proj." in key for key in old) and any(".kv_proj." in key for key in old)
+    assert not any(".k_proj." in key for key in old)
+    save_file(old, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    ids, mask = padded_batch(length=9)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits,
+                                   model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits)

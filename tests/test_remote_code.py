@@ -28,16 +28,16 @@ def test_importing_the_package_registers_the_auto_classes(tmp_path, tiny_tokeniz
     assert tokenizer("Zwei Hunde").input_ids == tiny_tokenizer("Zwei Hunde").input_ids
 
 
-def test_saved_folder_carries_auto_map_and_both_code_files(tmp_path):
+def test_saved_folder_carries_auto_map_and_the_code_files(tmp_path):
     make_tiny_model().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForSeq2SeqLM"}
     package = Path(vaswani_hf.__file__).parent
-    for name in ("configuration_vaswani.py", "modeling_vaswani.py"):
+    for name in ("configuration_vaswani.py", "modeling_vaswani.py", "kernels_vaswani.py"):
         assert (tmp_path / name).read_text() == (package / name).read_text()
     # the model code imports nothing of this package but the configuration file
-    code = (tmp_path / "modeling_vaswani.py").read_text()
-    assert "vaswani_hf" not in code
+    for name in ("modeling_vaswani.py", "kernels_vaswani.py"):
+        assert "vaswani_hf" not in (tmp_path / name).read_text()
 
 
 # Runs with `python -I` (no PYTHONPATH, no user site, no current directory on sys.path) from the saved folder's

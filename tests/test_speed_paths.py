@@ -1,6 +1,6 @@
 """The faster paths of the model do what the plain ones do.
 
-- `apply_dropout` on a CPU (`_CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
+- `apply_dropout` on a CPU (`CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
 - "sdpa" attention in bf16 on a CPU runs `half_precision_cpu_attention_forward` (fp32 scores; torch's CPU flash
   kernel is slow in bf16);
 - `VaswaniSelfAttentionCacheLayer` (keys and values written in place into a preallocated buffer) holds what
@@ -14,11 +14,8 @@ import torch.nn.functional as F
 from conftest import make_tiny_model, padded_batch
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
-from vaswani_hf.modeling_vaswani import (
-    VaswaniSelfAttentionCache,
-    VaswaniSelfAttentionCacheLayer,
-    apply_dropout,
-)
+from vaswani_hf.kernels_vaswani import VaswaniSelfAttentionCache, VaswaniSelfAttentionCacheLayer
+from vaswani_hf.modeling_vaswani import apply_dropout
 
 
 def test_cpu_dropout_keeps_one_minus_p_and_scales_the_kept_elements():
@@ -168,18 +165,23 @@ def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
     model = make_tiny_model()
     ids, mask = padded_batch(length=9)
     decoder_ids = torch.randint(3, 99, (3, 5), generator=torch.Generator().manual_seed(4))
+    state_size = len(model.state_dict())
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
         with model.cpu_packed_linears() as packed:
             assert packed and model.lm_head.packed_weight is not None
-            assert model.model.encoder.layers[0].self_attn.qkv_proj.packed_weight is not None
+            attention = model.model.encoder.layers[0].self_attn
+            assert attention.fused_inputs.packed_weight is not None  # q|k|v stacked, one matrix
+            assert attention.fused_inputs.weight.shape == (96, 32)
+            assert "fused_inputs" not in dict(model.named_modules()) and len(model.state_dict()) == state_size
             fast = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
             with model.cpu_packed_linears() as nested:
                 assert not nested  # the outer packing stays
             assert model.lm_head.packed_weight is not None
     assert model.lm_head.packed_weight is None  # dropped on exit
-    # oneDNN ran every linear map once: 2 encoder layers x 4 (qkv, out, fc1, fc2), 2 decoder layers x 7 (qkv, out,
-    # cross-attention q, kv and out, fc1, fc2), and lm_head; and it gave what nn.Linear gives
+    assert all("fused_inputs" not in vars(module) for module in model.modules())  # dropped on exit
+    # oneDNN ran every linear map once: 2 encoder layers x 4 (q|k|v stacked, out, fc1, fc2), 2 decoder layers x 7
+    # (q|k|v, out, cross-attention q, k|v and out, fc1, fc2), and lm_head; and it gave what nn.Linear gives
     assert len(calls) == 2 * 4 + 2 * 7 + 1
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
 

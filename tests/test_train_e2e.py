@@ -118,3 +118,29 @@ def test_console_entry_points_exit_0_after_a_run(monkeypatch):
     for module in (train, no_trainer):
         monkeypatch.setattr(module, "main", lambda argv=None: {"test_bleu": 35.0})
         assert module.cli() == 0
+
+
+def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
+    """§5.4: the recipe trains on the label-smoothed loss (config.label_smoothing, 0.1); eval_loss is the model's
+    plain cross-entropy, the number transformers users read as log-perplexity."""
+    from transformers import Seq2SeqTrainingArguments
+
+    from conftest import make_tiny_model, padded_batch
+    from training.train import PaperTrainer
+
+    model = make_tiny_model(dropout=0.0)
+    ids, mask = padded_batch(length=9)
+    labels, _ = padded_batch(seed=2, length=7)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(labels.eq(0), -100))
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = PaperTrainer(model=model, args=args, max_tokens=64, d_model=32, warmup=10, lr_factor=1.0)
+    with torch.no_grad():
+        plain = model(**batch).loss
+        smoothed = model(**batch, label_smoothing=0.1).loss
+        model.train()
+        training_loss = trainer.compute_loss(model, batch)
+        model.eval()
+        eval_loss = trainer.compute_loss(model, batch)
+    assert abs(smoothed.item() - plain.item()) > 1e-3
+    torch.testing.assert_close(training_loss, smoothed)
+    torch.testing.assert_close(eval_loss, plain)

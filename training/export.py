@@ -11,7 +11,8 @@ The folder holds what `AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_
 - `model.safetensors` (the embedding shared by encoder, decoder and output projection stored once, §3.4),
   `config.json` with the `auto_map` that points the Auto classes at the code below, `generation_config.json`
   (beam 4, length penalty 0.6, §6.1);
-- `configuration_vaswani.py` and `modeling_vaswani.py`: the only code, importing nothing but torch and transformers;
+- `configuration_vaswani.py`, `modeling_vaswani.py` and `kernels_vaswani.py`: the only code, importing nothing but
+  torch and transformers;
 - `tokenizer.json` and `tokenizer_config.json`: the joint BPE as a plain fast tokenizer (no tokenizer code);
 - `README.md`: the model card, rendered (Jinja2, `huggingface_hub.ModelCard.from_template`) from `model_card.md` at
   the repository root: Hub metadata (languages, license, dataset, BLEU, tags, a model-index with the run's test BLEU
@@ -38,7 +39,7 @@ if __package__ in (None, ""):
 
 logger = logging.getLogger("vaswani_hf.export")
 
-EXPORTED_CODE = ("configuration_vaswani.py", "modeling_vaswani.py")
+EXPORTED_CODE = ("configuration_vaswani.py", "kernels_vaswani.py", "modeling_vaswani.py")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "model_card.md"
 HUB_SUBFOLDER = "hub"  # where the training scripts export before pushing: <output_dir>/hub
 LANGUAGE_NAMES = {"de": "German", "en": "English", "fr": "French", "cs": "Czech", "ro": "Romanian", "ru": "Russian",
@@ -135,7 +136,7 @@ def _read_metrics(path: Path | None) -> dict[str, Any]:
 
 
 def check_hub_folder(folder: str | os.PathLike) -> None:
-    """Check what the export promises: the two model code files and no other code, config.json with auto_map,
+    """Check what the export promises: the three model code files and no other code, config.json with auto_map,
     safetensors weights holding a shared embedding once, a tokenizer, generation config and README.
 
     Raises:
@@ -147,7 +148,7 @@ def check_hub_folder(folder: str | os.PathLike) -> None:
     code = sorted(p.name for p in folder.rglob("*.py"))
     if code != sorted(EXPORTED_CODE):
         raise RuntimeError(f"{folder}: the code files are {code}, expected exactly {list(EXPORTED_CODE)} (did "
-                           f"modeling_vaswani.py start importing another module?).")
+                           f"the model code start importing another module?).")
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"):
         if not (folder / name).is_file():
             raise RuntimeError(f"{folder}: {name} is missing.")

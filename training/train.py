@@ -84,6 +84,17 @@ class PaperTrainer(Seq2SeqTrainer):
         super().__init__(*args, **kwargs)
         self.max_tokens, self.d_model, self.warmup, self.lr_factor = max_tokens, d_model, warmup, lr_factor
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Seq2SeqTrainer's loss, label-smoothed by `config.label_smoothing` (0.1, §5.4) in training steps only; the
+        model's own loss is the plain cross-entropy, so `eval_loss` (and its perplexity) is unsmoothed. With
+        `--label_smoothing_factor` Trainer smooths instead, as for any transformers model."""
+        if model.training and self.label_smoother is None and "labels" in inputs:
+            smoothing = self.accelerator.unwrap_model(model).config.label_smoothing
+            if smoothing:
+                inputs = {**inputs, "label_smoothing": smoothing}
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             params = [p for p in (model or self.model).parameters() if p.requires_grad]

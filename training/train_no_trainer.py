@@ -242,6 +242,7 @@ def run(argv: list[str] | None = None):
                         num_workers=loop.dataloader_num_workers, generator=torch.Generator())
     optimizer, scheduler = paper_optimizer_and_schedule(model.parameters(), model.config.d_model, warmup, lr_factor)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    unwrapped_config = accelerator.unwrap_model(model).config
 
     # Checkpoints hold the model as save_pretrained writes it (config, model code, safetensors with the shared
     # embedding once), so that averaging (§6.1) and from_pretrained read them; accelerate saves the rest.
@@ -296,7 +297,9 @@ def run(argv: list[str] | None = None):
         update_loss = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
             with accelerator.accumulate(model):
-                loss = model(**batch, num_items_in_batch=num_items).loss  # sum over this batch / num_items
+                # Label smoothing (§5.4) in training only; the model's own loss is plain cross-entropy.
+                loss = model(**batch, num_items_in_batch=num_items,  # sum over this batch / num_items
+                             label_smoothing=unwrapped_config.label_smoothing).loss
                 # DDP averages gradients over the processes and accelerator.backward divides by the accumulation
                 # steps; undoing both leaves the gradient of (sum over the update's target tokens) / num_items.
                 accelerator.backward(loss * (accelerator.num_processes * accumulation))

@@ -27,5 +27,27 @@ VaswaniConfig.register_for_auto_class()
 VaswaniModel.register_for_auto_class("AutoModel")
 VaswaniForConditionalGeneration.register_for_auto_class("AutoModelForSeq2SeqLM")
 
+
+
+def _register_peft_targets() -> None:
+    """PEFT's default target modules for model_type "vaswani" (what `LoraConfig()` without `target_modules` adapts):
+    the query and value projections of every attention, as for BART and T5. Nothing happens without PEFT."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return
+    try:
+        from peft.utils import constants
+    except Exception:  # noqa: BLE001 - a PEFT that fails to import is not this package's error
+        return
+    for name in ("TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING",
+                 "TRANSFORMERS_MODELS_TO_ADALORA_TARGET_MODULES_MAPPING"):
+        mapping = getattr(constants, name, None)
+        if isinstance(mapping, dict):
+            mapping.setdefault("vaswani", ["q_proj", "v_proj"])
+
+
+_register_peft_targets()
+
 __all__ = ["VaswaniConfig", "VaswaniForConditionalGeneration", "VaswaniModel", "VaswaniPreTrainedModel",
            "__version__", "train_joint_bpe"]

@@ -58,7 +58,8 @@ class VaswaniConfig(PretrainedConfig):
             flags on (the default), one matrix serves all three uses.
         scale_embedding (`bool`, defaults to `True`): Multiply embeddings by `sqrt(d_model)` (§3.4).
         label_smoothing (`float`, defaults to 0.1):
-            `epsilon_ls` of the loss computed when `labels` are given (§5.4). Set 0.0 for plain cross-entropy.
+            `epsilon_ls` of label smoothing in training (§5.4): the training scripts pass it to `forward` as
+            `label_smoothing=` in training steps. `forward` itself returns the plain cross-entropy unless asked.
         layer_norm_eps (`float`, defaults to 1e-5): Epsilon of every LayerNorm.
         pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id (`int`, defaults to 0, 1, 2, 1):
             Special token ids, matching the joint BPE tokenizer of this package (`<pad>`, `<s>`, `</s>`); the decoder

@@ -12,9 +12,9 @@ its own fairseq and transformers (BART/Marian) converters do:
   different table (sines and cosines in two blocks, as in fairseq and OpenNMT; with it the log-probabilities of a
   test model move by up to 1.5 nats), so it is not used. The table has
   ``max_positions`` rows (default ``config.max_position_embeddings``), which bounds source and output lengths;
-- self-attention's fused ``qkv_proj`` (q|k|v blocks, heads contiguous in each) is exactly CTranslate2's fused
-  ``linear[0]``; encoder-decoder attention maps ``q_proj`` to ``linear[0]`` and the fused ``kv_proj`` (k|v) to
-  ``linear[1]``; ``out_proj`` is ``linear[2]`` / ``linear[1]``;
+- self-attention's ``q_proj``, ``k_proj``, ``v_proj`` stacked (q|k|v blocks, heads contiguous in each) are exactly
+  CTranslate2's fused ``linear[0]``; encoder-decoder attention maps ``q_proj`` to ``linear[0]`` and ``k_proj``,
+  ``v_proj`` stacked (k|v) to ``linear[1]``; ``out_proj`` is ``linear[2]`` / ``linear[1]``;
 - the embeddings and output projection are one matrix (§3.4); CTranslate2 stores it once (it aliases equal
   variables);
 - the vocabulary is the tokenizer's, in id order; ``<s>`` starts the decoder, ``</s>`` ends it, and sources are
@@ -110,14 +110,20 @@ def _set_stack_inputs(spec, stack, config, max_positions: int) -> None:
         _set_layer_norm(spec.layer_norm, stack.layer_norm)
 
 
+def _set_stacked_linear(spec, *linears: torch.nn.Linear) -> None:
+    spec.weight = _numpy(torch.cat([linear.weight for linear in linears]))
+    spec.bias = _numpy(torch.cat([linear.bias for linear in linears]))
+
+
 def _set_self_attention(spec, attention) -> None:
-    _set_linear(spec.linear[0], attention.qkv_proj)  # (3D, D): q | k | v, the layout CTranslate2 fuses to
+    # (3D, D): q | k | v, the layout CTranslate2 fuses to
+    _set_stacked_linear(spec.linear[0], attention.q_proj, attention.k_proj, attention.v_proj)
     _set_linear(spec.linear[1], attention.out_proj)
 
 
 def _set_cross_attention(spec, attention) -> None:
     _set_linear(spec.linear[0], attention.q_proj)
-    _set_linear(spec.linear[1], attention.kv_proj)  # (2D, D): k | v
+    _set_stacked_linear(spec.linear[1], attention.k_proj, attention.v_proj)  # (2D, D): k | v
     _set_linear(spec.linear[2], attention.out_proj)
 
 

@@ -5,21 +5,21 @@ The file reads top to bottom like §3 of the paper:
     §5.4  residual dropout ............... apply_dropout
     §3.5  positional encoding ............ VaswaniSinusoidalPositionalEncoding, VaswaniLearnedPositionalEmbedding
     §3.2  attention ...................... eager_attention_forward (Eq. 1), VaswaniAttention (multi-head)
-          decoding cache ................. VaswaniSelfAttentionCache (decoder self-attention keys and values)
     §3.1  encoder and decoder layers ..... VaswaniEncoderLayer, VaswaniDecoderLayer (the FFN of §3.3 inside)
     §3.1  the two stacks ................. VaswaniEncoder, VaswaniDecoder
     §3.4  shared embeddings and softmax .. VaswaniModel, VaswaniForConditionalGeneration
-    §5.4  label-smoothed loss ............ VaswaniForConditionalGeneration.forward
+    §5.4  loss (label smoothing on request) VaswaniForConditionalGeneration.forward
 
-It imports only torch, transformers and `configuration_vaswani.py`: the two files are copied to the Hub and loaded
-there with `trust_remote_code=True`.
+The CPU kernels (the cheaper dropout mask, bf16 CPU attention, oneDNN-packed linears, the in-place decoding cache)
+live beside it in `kernels_vaswani.py`. It imports only torch, transformers, `configuration_vaswani.py` and
+`kernels_vaswani.py`: the three files are copied to the Hub and loaded there with `trust_remote_code=True`.
 
 Shapes in comments: B batch, S source length, T target length (new tokens), P past (cached) target length,
 D d_model, H heads, Dh = D / H, V vocabulary.
 """
 
 import contextlib
-import functools
+import copy
 import math
 from collections.abc import Callable
 
@@ -29,7 +29,7 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -37,8 +37,12 @@ from transformers.utils import logging
 
 try:
     from .configuration_vaswani import VaswaniConfig
+    from .kernels_vaswani import (CPUDropout, VaswaniLinear, VaswaniSelfAttentionCache,
+                                  half_precision_cpu_attention_forward, packed_cpu_linears)
 except ImportError:  # loaded as a standalone file
     from configuration_vaswani import VaswaniConfig
+    from kernels_vaswani import (CPUDropout, VaswaniLinear, VaswaniSelfAttentionCache,
+                                 half_precision_cpu_attention_forward, packed_cpu_linears)
 
 logger = logging.get_logger(__name__)
 
@@ -59,37 +63,14 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
 # §5.4 Residual dropout -----------------------------------------------------------------------------------------------
 
 
-class _CPUDropout(torch.autograd.Function):
-    """Inverted dropout whose random mask costs a third of `F.dropout`'s on a CPU.
-
-    torch's CPU `bernoulli_` spends about 6 ns per element; here one 64-bit random draw decides two elements:
-    an element is kept when its 32-bit half is at least -2^31 + round(p * 2^32), so it is kept with probability
-    1 - p to within 2^-33. Kept elements are scaled by 1 / (1 - p), as `F.dropout` does; the backward pass applies
-    the same mask and scale.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
-        bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64, device=x.device).random_(-(2**63), None)
-        keep = bits.view(torch.int32)[: x.numel()].view(x.shape) >= -(2**31) + round(p * 2**32)
-        ctx.scale = 1.0 / (1.0 - p)
-        ctx.save_for_backward(keep)
-        return torch.where(keep, x * ctx.scale, 0.0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (keep,) = ctx.saved_tensors
-        return torch.where(keep, grad * ctx.scale, 0.0), None
-
-
 def apply_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Dropout (§5.4: rate `p` on every sublayer output and on the embedding sums): in training, each element is
     zeroed with probability `p` and the rest are scaled by 1 / (1 - p); the identity otherwise. Same semantics as
-    `F.dropout`, which runs on GPUs and under `torch.compile`; on a CPU `_CPUDropout` draws the mask cheaply."""
+    `F.dropout`, which runs on GPUs and under `torch.compile`; on a CPU `CPUDropout` (kernels_vaswani.py) draws the mask cheaply."""
     if not training or p == 0.0:
         return x
     if x.device.type == "cpu" and 0.0 < p < 1.0 and not torch.compiler.is_compiling():
-        return _CPUDropout.apply(x, p)
+        return CPUDropout.apply(x, p)
     return F.dropout(x, p=p, training=True)
 
 
@@ -118,8 +99,9 @@ class VaswaniSinusoidalPositionalEncoding(nn.Module):
     """The fixed positional encodings of §3.5, precomputed for `max_position_embeddings` positions.
 
     Not a parameter and not stored in checkpoints (a non-persistent buffer filled in `_init_weights`, so it is
-    right after `from_pretrained`, which builds models on the meta device). Positions past the table are computed
-    on the fly, so inputs of any length work.
+    right after `from_pretrained`, which builds models on the meta device). `reserve(n)` grows the table to n
+    positions; the stacks call it before they embed, outside compiled code, so inputs of any length work in eager
+    mode, while a compiled or exported forward only reads the table (its length checked with `torch._check`).
     """
 
     def __init__(self, num_positions: int, d_model: int):
@@ -127,31 +109,46 @@ class VaswaniSinusoidalPositionalEncoding(nn.Module):
         self.d_model = d_model
         self.register_buffer("weight", sinusoidal_table(num_positions, d_model), persistent=False)
 
+    def reserve(self, num_positions: int) -> None:
+        """Grow the table to hold at least `num_positions` positions (doubling, so growth is rare)."""
+        if num_positions > self.weight.shape[0]:
+            size = max(int(num_positions), 2 * self.weight.shape[0])
+            self.weight = sinusoidal_table(size, self.d_model, dtype=self.weight.dtype, device=self.weight.device)
+
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         """`position_ids` `(T,)` or `(B, T)` -> encodings `(..., D)` in the table's dtype."""
-        table = self.weight
-        needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
-        if needed > table.shape[0]:
-            table = sinusoidal_table(needed, self.d_model, dtype=table.dtype, device=table.device)
-        return table[position_ids]
+        return self.weight[position_ids]
 
 
 class VaswaniLearnedPositionalEmbedding(nn.Embedding):
     """Learned positional embeddings (Table 3, row E): one vector per position up to `max_position_embeddings`."""
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """`position_ids` `(T,)` or `(B, T)` -> embeddings `(..., D)`.
+    def reserve(self, num_positions: int) -> None:
+        """Check that `num_positions` positions fit: learned positions cannot extrapolate.
 
         Raises:
-            ValueError: a position is past `max_position_embeddings` (learned positions cannot extrapolate).
+            ValueError: `num_positions` is more than `max_position_embeddings`.
         """
-        if position_ids.numel() and int(position_ids.max()) >= self.num_embeddings:
+        if num_positions > self.num_embeddings:
             raise ValueError(
-                f"Sequence of {int(position_ids.max()) + 1} tokens is longer than max_position_embeddings="
+                f"Sequence of {num_positions} tokens is longer than max_position_embeddings="
                 f"{self.num_embeddings} of this model's learned positions. Truncate the input (tokenizer "
                 "truncation=True, max_length=...) or use position_embedding_type='sinusoidal', which extrapolates."
             )
-        return super().forward(position_ids)
+
+
+def _embed_positions(embed_positions: nn.Module, start, length, needed, device) -> torch.Tensor:
+    """Encodings `(length, D)` of positions `start, ..., start + length - 1`; the table must hold `needed` positions.
+
+    `start` is an int (or a 0-dim tensor, with transformers' static cache); `needed` an int, or a symbolic size while
+    tracing. In eager mode the table grows (or learned positions refuse) here; when compiling or exporting, a
+    `torch._check` states the bound instead, with no host sync and no data-dependent branch."""
+    if torch.compiler.is_compiling():
+        if not torch.is_tensor(needed):
+            torch._check(needed <= embed_positions.weight.shape[0])
+    else:
+        embed_positions.reserve(int(needed))
+    return embed_positions(torch.arange(length, device=device) + start)
 
 
 # §3.2 Attention ------------------------------------------------------------------------------------------------------
@@ -184,64 +181,20 @@ def eager_attention_forward(
     return output, probs
 
 
-def half_precision_cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                         value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
-                                         dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """Eq. 1 for bf16/fp16 inputs on a CPU, where "sdpa" runs it: Q K^T, the mask and the softmax in fp32 (autocast
-    off: the scores are not rounded to 8 bits of mantissa before the softmax), the product with V in the inputs'
-    precision. Shapes as `eager_attention_forward`; returns the output `(B, Tq, H, Dh)` and no probabilities."""
-    with torch.autocast(query.device.type, enabled=False):
-        scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
-        if attention_mask is not None:
-            scores = scores + attention_mask.float()
-        probs = F.softmax(scores, dim=-1)
-    probs = apply_dropout(probs.to(value.dtype), p=dropout, training=module.training)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
-
-
-@functools.cache
-def _has_onednn_linear() -> bool:
-    """Whether this torch has oneDNN and the two operators of `VaswaniLinear`'s CPU path (torch >= 2.0 builds)."""
-    try:
-        return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-class VaswaniLinear(nn.Linear):
-    """`nn.Linear`, with a faster path for CPU inference: while `packed_weight` holds the weight in oneDNN's blocked
-    layout (`generate()` packs it for the duration of the call: `VaswaniForConditionalGeneration.cpu_packed_linears`),
-    an fp32 forward on a CPU without autograd and without autocast multiplies with oneDNN. For the few rows of a
-    decoding step (64 rows, d_model 512) that is 25-40 % faster than torch's default BLAS call on the project's CPU;
-    results agree to fp32 rounding. Every other call (training, GPUs, bf16, `torch.compile`) is `nn.Linear`'s.
-    `(..., in_features)` -> `(..., out_features)`.
-    """
-
-    packed_weight: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed_weight
-        if (packed is not None and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        return super().forward(x)
-
-
 class VaswaniInputProjection(VaswaniLinear):
-    """A fused query/key/value input projection of `VaswaniAttention` (`qkv_proj`, `q_proj`, `kv_proj`): an
-    `nn.Linear` whose `(n * D, D)` weight stacks n separate `(D, D)` matrices W^Q, W^K, W^V (§3.2.2). Its own type
-    lets `_init_weights` initialize each block as fairseq does (a parameter-less parent module is never visited by
-    transformers' initialization of custom-code models)."""
+    """A query, key or value input projection of `VaswaniAttention` (`q_proj`, `k_proj`, `v_proj`: W^Q, W^K, W^V of
+    §3.2.2, `(D, D)` each). Its own type lets `_init_weights` initialize them as fairseq does."""
 
 
 class VaswaniAttention(nn.Module):
     """Multi-head attention (§3.2.2): MultiHead(Q, K, V) = Concat(head_1..head_h) W^O.
 
-    Self-attention projects queries, keys and values with one fused matrix `qkv_proj` (D -> 3D); encoder-decoder
-    attention (§3.2.3) projects queries from the decoder with `q_proj` (D -> D) and keys and values from the
-    encoder output with one fused `kv_proj` (D -> 2D), which it computes once per `generate()` call and then reads
-    from the cache. The attention kernel comes from transformers' attention interface for
+    Queries, keys and values have their own projections `q_proj`, `k_proj`, `v_proj` (D -> D each, the names PEFT
+    and every tutorial use); encoder-decoder attention (§3.2.3) projects queries from the decoder and keys and values
+    from the encoder output, which it computes once per `generate()` call and then reads from the cache. Inside
+    `generate()` on a CPU, `fused_inputs` holds the stacked projections that one input feeds (q|k|v for
+    self-attention, k|v for encoder-decoder attention) as one oneDNN-packed matrix, so that a decoding step multiplies
+    once instead of three (or two) times. The attention kernel comes from transformers' attention interface for
     `config._attn_implementation`: "sdpa" (default) or "eager" (`eager_attention_forward` above, the reference, which
     also runs whenever `output_attentions=True`), or any function registered with `AttentionInterface` that takes
     additive `(B, 1, T_q, T_k)` masks.
@@ -259,12 +212,18 @@ class VaswaniAttention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.is_causal = is_causal
         self.layer_idx = layer_idx
-        if is_cross_attention:
-            self.q_proj = VaswaniInputProjection(self.d_model, self.d_model)
-            self.kv_proj = VaswaniInputProjection(self.d_model, 2 * self.d_model)
-        else:
-            self.qkv_proj = VaswaniInputProjection(self.d_model, 3 * self.d_model)
+        self.q_proj = VaswaniInputProjection(self.d_model, self.d_model)
+        self.k_proj = VaswaniInputProjection(self.d_model, self.d_model)
+        self.v_proj = VaswaniInputProjection(self.d_model, self.d_model)
         self.out_proj = VaswaniLinear(self.d_model, self.d_model)
+
+    fused_inputs: VaswaniLinear | None = None  # set by `cpu_packed_linears` (not a submodule, not saved)
+
+    def _project(self, x: torch.Tensor, projections: tuple[nn.Module, ...], fused: bool) -> tuple[torch.Tensor, ...]:
+        """`(B, L, D)` -> one `(B, H, L, Dh)` tensor per projection; with the packed fused matrix when it applies."""
+        if fused and self.fused_inputs is not None and self.fused_inputs.uses_packed(x):
+            return self._heads(self.fused_inputs(x))
+        return tuple(self._heads(projection(x))[0] for projection in projections)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """`(B, L, n*D)` -> n tensors `(B, H, L, Dh)`."""
@@ -299,14 +258,14 @@ class VaswaniAttention(nn.Module):
             if cache is not None and past_key_values.is_updated.get(self.layer_idx):
                 key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
             else:
-                key, value = self._heads(self.kv_proj(key_value_states))
+                key, value = self._project(key_value_states, (self.k_proj, self.v_proj), fused=True)
                 if cache is not None:
                     key, value = cache.update(key, value, self.layer_idx)
                     past_key_values.is_updated[self.layer_idx] = True
             if key.shape[0] != batch:
                 query, attention_mask, groups = self._grouped(query, key, attention_mask)
         else:
-            query, key, value = self._heads(self.qkv_proj(hidden_states))  # each (B, H, T, Dh)
+            query, key, value = self._project(hidden_states, (self.q_proj, self.k_proj, self.v_proj), fused=True)
             if past_key_values is not None:
                 cache = past_key_values
                 if isinstance(cache, EncoderDecoderCache):
@@ -362,116 +321,6 @@ class VaswaniAttention(nn.Module):
         if attention_mask is not None:
             attention_mask = attention_mask[:, :, :1]  # a padding mask: one row serves every query
         return query, attention_mask, groups
-
-
-# Incremental decoding: the decoder self-attention cache ---------------------------------------------------------------
-
-
-class VaswaniSelfAttentionCacheLayer(DynamicLayer):
-    """One decoder layer's self-attention keys and values while decoding token by token (`generate()`).
-
-    transformers' `DynamicLayer` concatenates every new position onto its keys and values, copying all P cached
-    positions at each step, and beam search's reorder allocates fresh tensors at each step. Here keys and values live
-    in one preallocated buffer `(B, 2, H, capacity, Dh)`: a new position is written in place, and a beam reorder
-    gathers the P filled positions into a second buffer of the same size, which then takes the first one's place.
-    `keys` and `values` are `(B, H, P, Dh)` views of the filled part, so attention reads them without a copy.
-
-    Args:
-        capacity: positions to allocate at the first update (`generate()` passes its maximum length); the buffer
-            doubles whenever an update would overflow it, so any length works.
-    """
-
-    def __init__(self, capacity: int = 0):
-        super().__init__()
-        self.capacity = max(int(capacity or 0), 0)
-        self.length = 0
-        self._buffer: torch.Tensor | None = None  # (B, 2, H, capacity, Dh)
-        self._spare: torch.Tensor | None = None  # the same shape: where the next reorder gathers into
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append `(B, H, T, Dh)` keys and values; returns `(B, H, P + T, Dh)` views of all cached ones."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start, end = self.length, self.length + key_states.shape[-2]
-        buffer = self._buffer
-        if buffer is None or end > buffer.shape[3] or buffer.shape[0] != key_states.shape[0] \
-                or buffer.dtype != key_states.dtype:
-            self._reallocate(key_states, end)
-        self._buffer[:, 0, :, start:end] = key_states
-        self._buffer[:, 1, :, start:end] = value_states
-        self.length = end
-        self._set_views()
-        return self.keys, self.values
-
-    def _reallocate(self, key_states: torch.Tensor, needed: int) -> None:
-        batch, heads, _, head_dim = key_states.shape
-        old = self._buffer
-        grown = 2 * old.shape[3] if old is not None else 0
-        buffer = key_states.new_empty(batch, 2, heads, max(needed, self.capacity, grown, 16), head_dim)
-        if old is not None and self.length:
-            buffer[:, :, :, : self.length] = old[:, :, :, : self.length]
-        self._replace(buffer)
-
-    def _set_views(self) -> None:
-        filled = self._buffer[:, :, :, : self.length]
-        self.keys, self.values = filled[:, 0], filled[:, 1]
-
-    def _replace(self, buffer: torch.Tensor) -> None:
-        self._buffer, self._spare = buffer, None
-        self._set_views()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row i takes the keys and values of row `beam_idx[i]` (beam search, after every step)."""
-        if not self.length:
-            return
-        if self._spare is None:
-            self._spare = torch.empty_like(self._buffer)
-        filled = slice(0, self.length)
-        torch.index_select(self._buffer[:, :, :, filled], 0, beam_idx.to(self._buffer.device),
-                           out=self._spare[:, :, :, filled])
-        self._buffer, self._spare = self._spare, self._buffer
-        self._set_views()
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def reset(self) -> None:
-        self.length = 0
-        self._buffer = self._spare = None
-        super().reset()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` positions (transformers' convention: a negative count)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop() takes a negative number of positions to remove, got {tokens_to_remove}.")
-        if tokens_to_remove and self.length:
-            self.length = max(self.length + tokens_to_remove, 0)
-            self._set_views()
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.length:
-            self._replace(self._buffer.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.length:
-            self._replace(self._buffer[indices])
-
-
-class VaswaniSelfAttentionCache(DynamicCache):
-    """A `DynamicCache` of `VaswaniSelfAttentionCacheLayer`s, one per decoder layer, created as they are first
-    updated: the self-attention half of the `EncoderDecoderCache` that the decoder and `generate()` use.
-
-    Args:
-        capacity: positions each layer allocates at its first update (0: as many as the first update brings).
-    """
-
-    def __init__(self, capacity: int = 0):
-        super().__init__()
-        self.layer_class_to_replicate = functools.partial(VaswaniSelfAttentionCacheLayer, capacity)
 
 
 # §3.1 Encoder and decoder layers -------------------------------------------------------------------------------------
@@ -587,7 +436,7 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     # wrong attention.
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -603,6 +452,11 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf.
         """
         kwargs.setdefault("use_safetensors", True)
+        legacy = None
+        if kwargs.get("state_dict") is None and pretrained_model_name_or_path is not None:
+            legacy = _read_fused_projection_checkpoint(pretrained_model_name_or_path, kwargs)
+        if legacy is not None:  # weights converted here; config and generation config still read from the folder
+            return cls._from_converted(pretrained_model_name_or_path, legacy, *args, **kwargs)
         try:
             loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except Exception as error:
@@ -620,6 +474,26 @@ class VaswaniPreTrainedModel(PreTrainedModel):
                     f"{pretrained_model_name_or_path}: weight {name} holds NaN or infinite values. The weights file is "
                     "corrupted, or the training run that wrote it diverged; load an earlier checkpoint."
                 )
+        return loaded
+
+    @classmethod
+    def _from_converted(cls, path, state_dict: dict[str, torch.Tensor], *args, **kwargs):
+        """`from_pretrained` of a checkpoint whose weights `split_fused_projections` converted to `state_dict`."""
+        hub = {name: kwargs[name] for name in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
+               if kwargs.get(name) is not None}
+        if not isinstance(kwargs.get("config"), VaswaniConfig):
+            kwargs["config"] = cls.config_class.from_pretrained(kwargs.pop("config", None) or path, **hub)
+        for name in hub:
+            kwargs.pop(name)
+        logger.info(f"{path}: converting fused attention input projections (qkv_proj, kv_proj) to q_proj, k_proj, "
+                    "v_proj; save the model again to store the new names.")
+        loaded = super().from_pretrained(None, *args, state_dict=state_dict, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if hasattr(model, "generation_config"):
+            try:
+                model.generation_config = GenerationConfig.from_pretrained(path, **hub)
+            except OSError:  # no generation_config.json: the defaults from the config stay
+                pass
         return loaded
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
@@ -640,7 +514,7 @@ class VaswaniPreTrainedModel(PreTrainedModel):
         d_model = self.config.d_model
         if isinstance(module, VaswaniInputProjection):
             # fairseq initializes q, k and v as separate (D, D) matrices, xavier-uniform with gain 1/sqrt(2):
-            # uniform(+-sqrt(6 / 4D)) for every block, whichever of them a fused projection stacks.
+            # uniform(+-sqrt(6 / 4D)).
             bound = math.sqrt(6.0 / (4 * d_model))
             init.uniform_(module.weight, -bound, bound)
             init.zeros_(module.bias)
@@ -662,6 +536,50 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             init.copy_(module.weight, sinusoidal_table(*module.weight.shape))
 
 
+_FUSED_PROJECTIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("kv_proj", ("k_proj", "v_proj")))
+
+
+def split_fused_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint keys of the fused input projections (`self_attn.qkv_proj`, `encoder_attn.kv_proj`, whose `(n * D, D)`
+    weights stack W^Q, W^K, W^V) as the separate `q_proj`, `k_proj`, `v_proj` of `VaswaniAttention`; other keys as they
+    are."""
+    converted = {}
+    for key, tensor in state_dict.items():
+        for fused, names in _FUSED_PROJECTIONS:
+            if f".{fused}." in key:
+                prefix, suffix = key.split(f".{fused}.")
+                for name, block in zip(names, tensor.chunk(len(names), dim=0), strict=True):
+                    converted[f"{prefix}.{name}.{suffix}"] = block.contiguous()
+                break
+        else:
+            converted[key] = tensor
+    return converted
+
+
+def _read_fused_projection_checkpoint(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
+    """The state dict of a checkpoint written with fused input projections, converted by `split_fused_projections`;
+    `None` for a checkpoint with today's names or one that cannot be read here (`from_pretrained` then reads it and
+    reports any problem itself)."""
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+        from transformers.utils import cached_file
+
+        options = {name: kwargs[name] for name in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
+                   if kwargs.get(name) is not None}
+        file = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **options)
+        if file is None:
+            return None
+        with safe_open(file, framework="pt") as handle:
+            keys = list(handle.keys())
+        if not any(f".{fused}." in key for key in keys for fused, _ in _FUSED_PROJECTIONS):
+            return None
+        return split_fused_projections(load_file(file))
+    except Exception:  # noqa: BLE001 - the normal loading path reports what is wrong with the file
+        return None
+
+
 def _positional_encoding(config: VaswaniConfig) -> nn.Module:
     if config.position_embedding_type == "learned":
         return VaswaniLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
@@ -669,29 +587,42 @@ def _positional_encoding(config: VaswaniConfig) -> nn.Module:
 
 
 def _padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, query_length: int) -> torch.Tensor | None:
-    """`(B, L)` 1/0 mask -> additive `(B, 1, query_length, L)` mask (0 keep, dtype-min drop); `None` if all kept."""
-    if attention_mask is None or bool(attention_mask.all()):
+    """`(B, L)` 1/0 mask -> additive `(B, 1, query_length, L)` mask (0 keep, dtype-min drop); `None` if no mask.
+
+    Built whenever a mask is given, even one that keeps every position: deciding that would read the mask's values
+    (a host sync, and a branch a traced or exported graph would freeze)."""
+    if attention_mask is None:
         return None
     blocked = attention_mask[:, None, None, :].eq(0).expand(-1, 1, query_length, -1)
     return torch.zeros(blocked.shape, dtype=dtype, device=attention_mask.device).masked_fill(
         blocked, torch.finfo(dtype).min)
 
 
-def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, past: int, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor | None:
-    """Additive `(B, 1, T, P + T)` mask hiding future positions (§3.2.3) and padded keys; `None` when only one
-    new position attends to an unpadded past (incremental decoding needs no mask)."""
-    total = past + length
-    if attention_mask is not None and bool(attention_mask.all()):
-        attention_mask = None
-    if length == 1 and attention_mask is None:
+def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, past, key_length: int,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Additive `(B, 1, T, K)` mask hiding future positions (§3.2.3) and padded keys.
+
+    `past` is the number of cached positions (an int, or a 0-dim tensor for transformers' static cache), `key_length`
+    K the number of keys attention sees: `past + T`, or the static cache's full length, whose unwritten slots lie in
+    the future of every query. `attention_mask` is `(B, T)`, `(B, P + T)` or `(B, K)` (1 keep, 0 pad), or a ready
+    `(B, 1, T, K)` mask, boolean (True attends) or additive, as `generate()` builds for a static cache. `None` when one
+    new position attends to all keys, all of them real (incremental decoding with a dynamic cache needs no mask).
+    """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if attention_mask.dtype == torch.bool:
+            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill(
+                ~attention_mask, torch.finfo(dtype).min)
+        return attention_mask.to(dtype)
+    if length == 1 and attention_mask is None and isinstance(past, int) and key_length == past + length:
         return None
-    query_pos = torch.arange(past, total, device=device)[:, None]
-    key_pos = torch.arange(total, device=device)[None, :]
-    blocked = (key_pos > query_pos)[None, None]  # (1, 1, T, P + T)
+    query_pos = torch.arange(length, device=device) + past  # (T,)
+    key_pos = torch.arange(key_length, device=device)  # (K,)
+    blocked = (key_pos[None, :] > query_pos[:, None])[None, None]  # (1, 1, T, K)
     if attention_mask is not None:
-        blocked = blocked | attention_mask[:, None, None, -total:].eq(0)
-    blocked = blocked.expand(batch, 1, length, total)
+        if attention_mask.shape[1] < key_length:  # a static cache's future slots: hidden by causality already
+            attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[1]), value=1)
+        blocked = blocked | attention_mask[:, None, None, -key_length:].eq(0)
+    blocked = blocked.expand(batch, 1, length, key_length)
     return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)
 
 
@@ -733,10 +664,10 @@ class VaswaniEncoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("VaswaniEncoder: pass exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
-            _check_ids(input_ids, self.embed_tokens.num_embeddings, "input_ids")
+            check_input_ids(input_ids, self.embed_tokens.num_embeddings, "input_ids")
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
-        positions = self.embed_positions(torch.arange(length, device=inputs_embeds.device))  # (S, D)
+        positions = _embed_positions(self.embed_positions, 0, length, length, inputs_embeds.device)  # (S, D)
         hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
         hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
         mask = _padding_mask(attention_mask, hidden_states.dtype, length)
@@ -800,17 +731,23 @@ class VaswaniDecoder(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("VaswaniDecoder: pass exactly one of decoder_input_ids or decoder_inputs_embeds.")
         if inputs_embeds is None:
-            _check_ids(input_ids, self.embed_tokens.num_embeddings, "decoder_input_ids")
+            check_input_ids(input_ids, self.embed_tokens.num_embeddings, "decoder_input_ids")
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(VaswaniSelfAttentionCache(), DynamicCache())
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
-
-        positions = self.embed_positions(torch.arange(past, past + length, device=inputs_embeds.device))
+        past, key_length = 0, length
+        if past_key_values is not None:
+            past = past_key_values.get_seq_length()  # a 0-dim tensor for a static cache
+            key_length = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values.is_compileable \
+                else past + length
+        # Positions past + 0..T-1; a static cache reserves its whole length (its `past` is a tensor).
+        needed = past + length if isinstance(past, int) else key_length
+        positions = _embed_positions(self.embed_positions, past, length, needed, inputs_embeds.device)  # (T, D)
         hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
         hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
-        self_mask = _causal_mask(attention_mask, batch, length, past, hidden_states.dtype, hidden_states.device)
+        self_mask = _causal_mask(attention_mask, batch, length, past, key_length, hidden_states.dtype,
+                                 hidden_states.device)
         cross_mask = _padding_mask(encoder_attention_mask, hidden_states.dtype, length)
 
         all_hidden, all_self, all_cross = [], [], []
@@ -836,11 +773,26 @@ class VaswaniDecoder(nn.Module):
         }
 
 
-def _check_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
-    """Raise a clear error for token ids outside the embedding table (a tokenizer/model vocabulary mismatch)."""
-    if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+def check_input_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+    """Raise a clear error for token ids outside the embedding table (a tokenizer/model vocabulary mismatch).
+
+    The encoder and decoder call it on entry in eager mode. Reading the ids' range is a host sync, so on a GPU it
+    becomes an asynchronous device assertion, and a compiled or exported forward skips it (there, check the ids
+    before the call: `check_input_ids(batch["input_ids"], model.config.vocab_size)`).
+
+    Raises:
+        ValueError: an id is negative or not less than `vocab_size` (CPU tensors).
+    """
+    if torch.compiler.is_compiling() or not ids.numel():
+        return
+    if ids.device.type != "cpu":
+        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(),
+                            f"{name} holds a token id outside this model's vocabulary of {vocab_size} entries")
+        return
+    high, low = int(ids.max()), int(ids.min())
+    if high >= vocab_size or low < 0:
         raise ValueError(
-            f"{name} holds token id {int(ids.max()) if int(ids.max()) >= vocab_size else int(ids.min())}, outside "
+            f"{name} holds token id {high if high >= vocab_size else low}, outside "
             f"this model's vocabulary of {vocab_size} entries. The tokenizer does not match the model: load the "
             "tokenizer saved with the model, or resize the embeddings with model.resize_token_embeddings(len(tokenizer))."
         )
@@ -953,7 +905,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
 
 class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     """The whole Transformer: `VaswaniModel` plus the pre-softmax linear projection `lm_head` (§3.4), which shares
-    its weight with the embeddings (`tie_word_embeddings`), and the label-smoothed loss (§5.4).
+    its weight with the embeddings (`tie_word_embeddings`), and the loss (label-smoothed on request, §5.4).
 
     Its `generation_config` defaults to the paper's decoding (§6.1): beam 4, length penalty 0.6.
     """
@@ -1006,7 +958,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             value = kwargs.get(name, getattr(config, name, None))
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"generate(): {name} must be an integer >= 1, got {value!r}.")
-        with self.cpu_packed_linears():
+        with self.cpu_packed_linears(), self._length_limit_for(kwargs):
             outputs = super().generate(*args, **kwargs)
         sequences = outputs if torch.is_tensor(outputs) else getattr(outputs, "sequences", None)
         generation_config = kwargs.get("generation_config") or self.generation_config
@@ -1022,35 +974,41 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         return outputs
 
     @contextlib.contextmanager
+    def _length_limit_for(self, kwargs: dict):
+        """Inside it, a `generate(**kwargs)` call that sets `max_new_tokens` and no `max_length` sees no
+        `max_length`: the default one of the generation config (256) only bounds calls that give no length, and
+        transformers would otherwise warn on every call that both are set (`max_new_tokens` wins either way)."""
+        given = kwargs.get("generation_config")
+        config = given or self.generation_config
+        if (kwargs.get("max_new_tokens", config.max_new_tokens) is None or kwargs.get("max_length") is not None
+                or self.generation_config.max_length is None):
+            yield
+            return
+        original = self.generation_config
+        self.generation_config = copy.deepcopy(original)
+        self.generation_config.max_length = None
+        if given is not None:
+            kwargs["generation_config"] = copy.deepcopy(given)
+            kwargs["generation_config"].max_length = None
+        try:
+            yield
+        finally:
+            self.generation_config = original
+
+    @contextlib.contextmanager
     def cpu_packed_linears(self):
         """Context manager: the model's linear layers multiply with oneDNN and prepacked weights inside it (see
         `VaswaniLinear`), if the model is an fp32 model on a CPU, torch has oneDNN, autocast is off and
         `use_cpu_packed_linears` is True (the class attribute; set it to False to turn the path off). `generate()`
         runs inside it. Packing copies every linear weight once (about 70 ms and as much memory again as the linear
         weights, base size); the copies are dropped on exit, so weights changed between calls are always seen.
-        Nested uses keep the outer packing. Yields whether the weights are packed."""
-        linears = [module for module in self.modules() if isinstance(module, VaswaniLinear)]
-        wanted = (self.use_cpu_packed_linears and _has_onednn_linear() and linears
-                  and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
-                  and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-                  and all(m.packed_weight is None for m in linears))
-        if not wanted:
-            yield False
-            return
-        try:
-            with torch.no_grad():
-                packed = [torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64) for module in linears]
-        except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
-            logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
-            yield False
-            return
-        for module, weight in zip(linears, packed, strict=True):
-            module.packed_weight = weight
-        try:
-            yield True
-        finally:
-            for module in linears:
-                module.packed_weight = None
+        Nested uses keep the outer packing. Yields whether the weights are packed.
+
+        The input projections that read one input are also stacked into one packed matrix per attention
+        (`VaswaniAttention.fused_inputs`: q|k|v, or k|v in encoder-decoder attention), when they are plain
+        projections (not wrapped, e.g. by a PEFT adapter, which then keeps its own forward)."""
+        with packed_cpu_linears(self, VaswaniAttention, VaswaniInputProjection) as packed:
+            yield packed
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False,
                                       input_ids: torch.LongTensor | None = None, **model_kwargs):
@@ -1135,6 +1093,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        label_smoothing: float | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput:
         """
@@ -1148,10 +1107,13 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             logits_to_keep: without `labels`, project only the last `logits_to_keep` target positions (an int; 0, the
                 default, keeps all) or the positions in a 1-D index tensor to the vocabulary. `generate()` passes 1,
                 which matters when the decoder starts from a forced prefix of several tokens. Ignored with `labels`.
+            label_smoothing: epsilon of label smoothing for the loss; `None` (default) and 0 give the plain
+                cross-entropy, as every transformers model returns. The training recipe passes
+                `config.label_smoothing` (0.1, §5.4) in training steps only, so evaluation losses stay unsmoothed.
         Returns:
             `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the mean
-            over labelled tokens of the cross-entropy with label smoothing `config.label_smoothing` (§5.4; epsilon
-            spread uniformly over the vocabulary, torch's definition).
+            over labelled tokens of the cross-entropy (label-smoothed by `label_smoothing` when given: epsilon spread
+            uniformly over the vocabulary, torch's definition).
         """
         if labels is not None:
             use_cache = False
@@ -1178,7 +1140,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states)  # (B, T, V)
         loss = None
         if labels is not None:
-            loss = self.loss(logits, labels, num_items_in_batch)
+            loss = self.loss(logits, labels, num_items_in_batch, label_smoothing=label_smoothing or 0.0)
         output = Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
@@ -1192,13 +1154,14 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         )
         return output if return_dict is not False else output.to_tuple()
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor,
-             num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-        """Label-smoothed cross-entropy (§5.4), summed over labelled tokens and divided by `num_items_in_batch`
-        (default: the number of labels != -100 in `labels`). `logits` `(B, T, V)`, `labels` `(B, T)` -> scalar."""
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
+             label_smoothing: float = 0.0) -> torch.Tensor:
+        """Cross-entropy, label-smoothed by `label_smoothing` (§5.4 trains with 0.1), summed over labelled tokens and
+        divided by `num_items_in_batch` (default: the number of labels != -100 in `labels`).
+        `logits` `(B, T, V)`, `labels` `(B, T)` -> scalar."""
         labels = labels.to(logits.device)
         total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                reduction="sum", label_smoothing=self.config.label_smoothing)
+                                reduction="sum", label_smoothing=label_smoothing)
         if num_items_in_batch is None:
             num_items_in_batch = labels.ne(-100).sum()
         if torch.is_tensor(num_items_in_batch):

@@ -23,6 +23,14 @@ class TranslationPipeline(Pipeline):
     _load_feature_extractor = False
     _load_tokenizer = True
 
+    def __call__(self, inputs, *args, **kwargs):
+        """One string -> `[{"translation_text": ...}]`; a list of strings -> one dict per string, a flat list (as
+        transformers' own translation pipeline returns), unless several sequences per input are asked for."""
+        result = super().__call__(inputs, *args, **kwargs)
+        if isinstance(inputs, list) and all(isinstance(item, list) and len(item) == 1 for item in result):
+            return [item[0] for item in result]
+        return result
+
     def _sanitize_parameters(self, **generate_kwargs):
         return {}, generate_kwargs, {}
 

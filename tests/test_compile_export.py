@@ -1,0 +1,137 @@
+"""The forward pass traces whole: no host syncs and no data-dependent Python branches on the traced path.
+
+- `torch.export` with dynamic batch and lengths gives eager's logits, on other shapes than it was traced with;
+- `torch.onnx.export(dynamo=True)` gives eager's logits on padded batches under onnxruntime (extra `[onnx]`);
+- `torch._dynamo.explain` finds no graph break in the training forward, and a `fullgraph=True` compiled training
+  step (forward, loss, backward) equals eager;
+- the checks the traced path no longer makes still run in eager mode (`check_input_ids`, the position table).
+"""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import make_tiny_model, padded_batch
+from vaswani_hf.modeling_vaswani import check_input_ids
+
+ATOL = 1e-5
+
+
+class _Logits(torch.nn.Module):
+    """The model as a function of four tensors, returning logits (what export and ONNX take)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+                          decoder_attention_mask=decoder_attention_mask, use_cache=False).logits
+
+
+def _inputs(seed: int, batch: int, source: int, target: int):
+    ids, mask = padded_batch(seed=seed, batch=batch, length=source)
+    decoder_ids, decoder_mask = padded_batch(seed=seed + 1, batch=batch, length=target)
+    return ids, mask, decoder_ids, decoder_mask
+
+
+def _dynamic_shapes():
+    batch, source, target = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("source", min=2, max=60), \
+        torch.export.Dim("target", min=2, max=60)
+    return ({0: batch, 1: source}, {0: batch, 1: source}, {0: batch, 1: target}, {0: batch, 1: target})
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_with_dynamic_shapes_equals_eager(strict):
+    model = make_tiny_model(seed=1)
+    wrapper = _Logits(model)
+    exported = torch.export.export(wrapper, _inputs(0, 3, 9, 7), dynamic_shapes=_dynamic_shapes(), strict=strict)
+    for seed, batch, source, target in ((2, 2, 5, 11), (3, 5, 13, 9), (4, 1, 3, 2)):
+        inputs = _inputs(seed, batch, source, target)
+        if batch > 1:
+            assert inputs[1].eq(0).any()  # padded rows: the mask matters
+        with torch.no_grad():
+            expected = wrapper(*inputs)
+        torch.testing.assert_close(exported.module()(*inputs), expected, atol=ATOL, rtol=0)
+
+
+def test_exported_graph_keeps_the_mask_even_when_traced_unpadded():
+    # Tracing on a batch without padding must not freeze "no mask" into the graph (the old `.all()` shortcut).
+    model = make_tiny_model(seed=1)
+    wrapper = _Logits(model)
+    ids, _, decoder_ids, _ = _inputs(0, 3, 9, 7)
+    full = torch.ones_like(ids), torch.ones_like(decoder_ids)
+    exported = torch.export.export(wrapper, (ids, full[0], decoder_ids, full[1]), dynamic_shapes=_dynamic_shapes(),
+                                   strict=False)
+    inputs = _inputs(5, 3, 9, 7)
+    with torch.no_grad():
+        expected = wrapper(*inputs)
+    torch.testing.assert_close(exported.module()(*inputs), expected, atol=ATOL, rtol=0)
+
+
+def test_onnx_export_through_dynamo_equals_eager_under_onnxruntime(tmp_path):
+    pytest.importorskip("onnxscript", reason="ONNX export needs onnxscript: pip install 'vaswani-hf[onnx]'")
+    onnxruntime = pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'vaswani-hf[onnx]'")
+    model = make_tiny_model(seed=1)
+    wrapper = _Logits(model)
+    path = tmp_path / "model.onnx"
+    torch.onnx.export(wrapper, _inputs(0, 3, 9, 7), str(path), dynamo=True, dynamic_shapes=_dynamic_shapes(),
+                      input_names=["input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask"],
+                      output_names=["logits"])
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    for seed, batch, source, target in ((2, 4, 11, 6), (3, 2, 5, 9)):
+        inputs = _inputs(seed, batch, source, target)
+        with torch.no_grad():
+            expected = wrapper(*inputs)
+        (logits,) = session.run(None, {name: tensor.numpy() for name, tensor in zip(names, inputs, strict=True)})
+        torch.testing.assert_close(torch.from_numpy(logits), expected, atol=1e-4, rtol=0)
+
+
+def _training_batch(seed: int = 0):
+    ids, mask = padded_batch(seed=seed, batch=4, length=10)
+    labels, _ = padded_batch(seed=seed + 1, batch=4, length=8)
+    labels = labels.masked_fill(labels.eq(0), -100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_training_forward_has_no_graph_breaks():
+    torch._dynamo.reset()
+    model = make_tiny_model(seed=1, dropout=0.1, attention_dropout=0.1).train()
+    explanation = torch._dynamo.explain(lambda **batch: model(**batch).loss)(**_training_batch())
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_fullgraph_compiled_training_step_equals_eager():
+    torch._dynamo.reset()
+    eager = make_tiny_model(seed=1, dropout=0.0).train()
+    compiled = copy.deepcopy(eager)
+    step = torch.compile(lambda batch: compiled(**batch).loss, fullgraph=True, backend="aot_eager")
+    batch = _training_batch()
+    expected = eager(**batch).loss
+    expected.backward()
+    loss = step(batch)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=ATOL, rtol=0)
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_eager_checks_still_hold_off_the_traced_path():
+    model = make_tiny_model()
+    with pytest.raises(ValueError, match="input_ids holds token id 120, outside this model's vocabulary of 99"):
+        check_input_ids(torch.tensor([[5, 120]]), 99)
+    with pytest.raises(ValueError, match="holds token id -1"):
+        check_input_ids(torch.tensor([[5, -1]]), 99, "decoder_input_ids")
+    check_input_ids(torch.tensor([[5, 98]]), 99)
+    # The sinusoidal table is sized from the config and grows (outside compiled code) for longer inputs.
+    table = model.model.encoder.embed_positions
+    assert table.weight.shape[0] == model.config.max_position_embeddings == 64
+    with torch.no_grad():
+        model(input_ids=torch.randint(4, 99, (1, 70)), decoder_input_ids=torch.ones(1, 3, dtype=torch.long))
+    assert table.weight.shape[0] >= 70
+    table.reserve(10)  # never shrinks
+    assert table.weight.shape[0] >= 70
