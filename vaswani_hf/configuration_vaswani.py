@@ -8,7 +8,12 @@ This file imports only transformers and the standard library: it is copied to th
 must stand alone there.
 """
 
+import math
+import os
+
 from transformers import PretrainedConfig
+
+_CONFIG_JSON = "config.json"
 
 _ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
 _POSITIONS = ("sinusoidal", "learned")
@@ -76,7 +81,10 @@ class VaswaniConfig(PretrainedConfig):
 
     Raises:
         ValueError: on impossible sizes (non-positive, `d_model` not divisible by `num_heads`), dropout outside
-            `[0, 1)`, an unknown activation or position type, or embedding sharing across different vocabularies.
+            `[0, 1)`, `layer_norm_eps` not in `(0, 1)`, a flag that is not a real bool (no `"false"` strings), a
+            special token id outside `[0, vocab_size)`, an unknown activation or position type, or embedding sharing
+            across different vocabularies. Checked at construction and on load (`from_dict`, `from_pretrained`),
+            where the message names the config.json.
 
     Example:
 
@@ -168,20 +176,35 @@ class VaswaniConfig(PretrainedConfig):
         if model_type is not None and model_type != cls.model_type:
             architectures = ", ".join(config_dict.get("architectures") or []) or "unknown architecture"
             raise ValueError(
-                f"config.json is for a model of type {model_type!r} ({architectures}), not {cls.model_type!r}: this is "
+                f"{_CONFIG_JSON}: model_type is {model_type!r} ({architectures}), not {cls.model_type!r}: this is "
                 f"not a VaswaniForConditionalGeneration folder. Load it with its own class (e.g. "
                 f"AutoModelForSeq2SeqLM), or point to a folder saved from this model."
             )
-        return super().from_dict(config_dict, **kwargs)
+        try:
+            loaded = super().from_dict(config_dict, **kwargs)
+            # Fields given as keyword arguments are set after construction: check the result once more.
+            (loaded[0] if isinstance(loaded, tuple) else loaded)._validate()
+        except (TypeError, ValueError) as error:
+            message = str(error)
+            if message.startswith(_CONFIG_JSON):
+                raise
+            raise ValueError(f"{_CONFIG_JSON}: {message.removeprefix('VaswaniConfig: ')} Fix the field in config.json "
+                             f"(or re-save the config from a trusted session).") from None
+        return loaded
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "VaswaniConfig":
-        """`PretrainedConfig.from_pretrained`, with the folder or repository named in a wrong-model-type error."""
+        """`PretrainedConfig.from_pretrained`, with the config.json of the folder named in every validation error."""
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except ValueError as error:
-            if str(error).startswith("config.json is for a model of type"):
-                raise ValueError(f"{pretrained_model_name_or_path}: {error}") from None
+            message = str(error)
+            if message.startswith(_CONFIG_JSON):
+                where = pretrained_model_name_or_path
+                if os.path.isdir(where):
+                    where = os.path.join(where, kwargs.get("subfolder") or "", "config.json")
+                    message = message[len(_CONFIG_JSON) + 1:].lstrip()
+                raise ValueError(f"{where}: {message}") from None
             raise
 
     @property
@@ -204,6 +227,28 @@ class VaswaniConfig(PretrainedConfig):
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"VaswaniConfig: {name} must be a positive integer, got {value!r}.")
+        # A bool is a bool: "false" or "no" in a config.json (or 0/1) would otherwise read as truthy or be taken
+        # for the other choice, silently building another model (pre-LN instead of post-LN, untied embeddings...).
+        for name in ("normalize_before", "share_encoder_decoder_embeddings", "tie_word_embeddings", "scale_embedding",
+                     "use_cache"):
+            value = getattr(self, name, None)
+            if not isinstance(value, bool):
+                raise ValueError(f"VaswaniConfig: {name} must be true or false (a JSON boolean), got {value!r} "
+                                 f"({type(value).__name__}).")
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or not 0 < eps < 1:
+            raise ValueError(f"VaswaniConfig: layer_norm_eps must be a small positive number (0 < eps < 1; the default "
+                             f"is 1e-5), got {eps!r}.")
+        ids = {"pad_token_id": self.pad_token_id, "bos_token_id": self.bos_token_id,
+               "eos_token_id": self.eos_token_id, "decoder_start_token_id": self.decoder_start_token_id}
+        limit = min(self.vocab_size, self.decoder_vocab_size)
+        for name, value in ids.items():
+            values = value if isinstance(value, list) and name == "eos_token_id" and value else [value]
+            for item in values:
+                if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < limit:
+                    raise ValueError(f"VaswaniConfig: {name} must be a token id in [0, {limit}) (the vocabulary has "
+                                     f"{limit} entries), got {value!r}. Use the special ids of the tokenizer saved "
+                                     f"with the model.")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"VaswaniConfig: d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}) so that "
@@ -212,14 +257,14 @@ class VaswaniConfig(PretrainedConfig):
             )
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"VaswaniConfig: {name} must be in [0, 1), got {value!r}.")
-        if self.activation_function not in _ACTIVATIONS:
+        if not isinstance(self.activation_function, str) or self.activation_function not in _ACTIVATIONS:
             raise ValueError(
                 f"VaswaniConfig: unknown activation_function {self.activation_function!r}; "
                 f"choose one of {', '.join(_ACTIVATIONS)} (the paper uses 'relu')."
             )
-        if self.position_embedding_type not in _POSITIONS:
+        if not isinstance(self.position_embedding_type, str) or self.position_embedding_type not in _POSITIONS:
             raise ValueError(
                 f"VaswaniConfig: unknown position_embedding_type {self.position_embedding_type!r}; "
                 f"choose 'sinusoidal' (the paper, §3.5) or 'learned' (Table 3, row E)."
