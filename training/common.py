@@ -121,6 +121,9 @@ class RecipeArguments:
     max_train_minutes: float | None = field(default=None, metadata={
         "help": "Stop training after this many minutes (checkpoint saved), then evaluate as usual."})
     num_samples: int = field(default=5, metadata={"help": "Sample translations printed at the end."})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start a new run in an --output_dir that holds an earlier run: its checkpoint-<step> folders are "
+                "removed, its model and metrics replaced. Without it such a folder is refused."})
     cpu_bf16: str = field(default="auto", metadata={
         "help": "Training on a CPU: auto (bf16 autocast where the CPU computes bf16 natively, AVX512-BF16 or AMX), "
                 "yes, or no (fp32)."})

@@ -16,7 +16,6 @@ Needs matplotlib.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -79,7 +78,9 @@ def plot_learning_curve(trainer_state: str | Path, output: str | Path, metric: s
     from vaswani_hf.visualization import new_figure, save_figure
 
     state_path = find_trainer_state(trainer_state)
-    state = json.loads(state_path.read_text(encoding="utf-8"))
+    from vaswani_hf.checks import read_json
+
+    state = read_json(state_path)  # an error naming the file if it does not parse
     data = learning_curve_data(state.get("log_history", []), metric)
     score = f"eval_{metric}"
     panels = [("loss", ["train_loss", "eval_loss"]), (metric.upper() if metric == "bleu" else metric, [score]),
