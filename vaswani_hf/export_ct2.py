@@ -226,19 +226,19 @@ def export_ct2(
             unknown quantization, no tokenizer and no ``vocabulary``, a vocabulary that does not fit.
         ImportError: ctranslate2 is not installed.
     """
+    from .checks import check_output_dir, check_output_not_in_inputs
+
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    # Replacing output_dir must never remove the model folder (a training run: checkpoints, metrics), force or not.
+    check_output_not_in_inputs(output_dir, [model_dir])
+    check_output_dir(output_dir)
     _import_ctranslate2()
     from transformers import AutoTokenizer
 
     from .modeling_vaswani import VaswaniForConditionalGeneration
 
-    from .checks import check_output_dir, check_output_not_in_inputs
-
-    model_dir, output_dir = Path(model_dir), Path(output_dir)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"Unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}.")
-    # Replacing output_dir must never remove the model folder (a training run: checkpoints, metrics), force or not.
-    check_output_not_in_inputs(output_dir, [model_dir])
-    check_output_dir(output_dir)
     if output_dir.exists() and not force:
         raise FileExistsError(f"{output_dir} already exists; pass force=True (--force) to replace it.")
     if not (model_dir / "config.json").is_file():
