@@ -61,7 +61,7 @@ from training.guards import (
     strip_hub_token,
 )
 from vaswani_hf import VaswaniForConditionalGeneration
-from vaswani_hf.checks import RunLock, check_output_dir
+from vaswani_hf.checks import CheckError, RunLock, check_output_dir
 from vaswani_hf.data import example_lengths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
@@ -198,9 +198,14 @@ def main(argv: list[str] | None = None) -> dict:
         lock = RunLock(training_args.output_dir).acquire()  # a second run into this folder is refused
     try:
         if lock is not None:
-            check_run_output_dir(training_args.output_dir, resuming=resuming, overwrite=recipe.overwrite_output_dir,
-                                 inputs={"--model_name_or_path": model_args.model_name_or_path,
-                                         "--tokenizer_name": model_args.tokenizer_name})
+            try:
+                check_run_output_dir(training_args.output_dir, resuming=resuming,
+                                     overwrite=recipe.overwrite_output_dir,
+                                     inputs={"--model_name_or_path": model_args.model_name_or_path,
+                                             "--tokenizer_name": model_args.tokenizer_name})
+            except CheckError:
+                lock.release(remove=True)  # refused: the folder is left as it was found
+                raise
         return _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_factor, hub_token,
                       resuming)
     finally:

@@ -66,7 +66,7 @@ from training.common import (
 from training.guards import average_current_run, check_average_last, check_model_inputs, check_run_output_dir
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.averaging import find_checkpoints
-from vaswani_hf.checks import RunLock, check_output_dir, read_json
+from vaswani_hf.checks import CheckError, RunLock, check_output_dir, read_json
 from vaswani_hf.schedule import paper_optimizer_and_schedule
 
 logger = logging.getLogger("vaswani_hf.train_no_trainer")
@@ -217,9 +217,13 @@ def run(argv: list[str] | None = None):
     lock = RunLock(output_dir).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
     try:
         if lock is not None:
-            check_run_output_dir(output_dir, resuming=resuming, overwrite=recipe.overwrite_output_dir,
-                                 inputs={"--model_name_or_path": model_args.model_name_or_path,
-                                         "--tokenizer_name": model_args.tokenizer_name})
+            try:
+                check_run_output_dir(output_dir, resuming=resuming, overwrite=recipe.overwrite_output_dir,
+                                     inputs={"--model_name_or_path": model_args.model_name_or_path,
+                                             "--tokenizer_name": model_args.tokenizer_name})
+            except CheckError:
+                lock.release(remove=True)  # refused: the folder is left as it was found
+                raise
         return _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tokens, lr_factor,
                     output_dir, resuming)
     finally:

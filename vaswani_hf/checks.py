@@ -134,6 +134,7 @@ class RunLock:
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
         self._handle = None
+        self._created = False
 
     def acquire(self) -> "RunLock":
         try:
@@ -141,6 +142,7 @@ class RunLock:
         except ImportError:  # pragma: no cover - not on Linux/macOS
             return self
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._created = not self.path.exists()
         handle = open(self.path, "a+")
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -157,8 +159,12 @@ class RunLock:
         self._handle = handle
         return self
 
-    def release(self) -> None:
+    def release(self, *, remove: bool = False) -> None:
+        """Release the lock; `remove`: also delete the lock file if this lock created it (a run refused before it
+        wrote anything leaves the folder as it found it)."""
         if self._handle is not None:
+            if remove and self._created:
+                self.path.unlink(missing_ok=True)
             self._handle.close()  # closing the file releases the flock
             self._handle = None
 

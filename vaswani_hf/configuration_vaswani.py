@@ -17,6 +17,12 @@ _CONFIG_JSON = "config.json"
 
 _ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
 _POSITIONS = ("sinusoidal", "learned")
+# The fields `VaswaniConfig._validate` checks.
+_FIELDS = ("vocab_size", "target_vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff",
+           "dropout", "attention_dropout", "activation_dropout", "activation_function", "normalize_before",
+           "position_embedding_type", "max_position_embeddings", "share_encoder_decoder_embeddings",
+           "tie_word_embeddings", "scale_embedding", "label_smoothing", "layer_norm_eps", "use_cache", "pad_token_id",
+           "bos_token_id", "eos_token_id", "decoder_start_token_id")
 # Written into every saved config.json: with the two code files saved beside it, a folder loads through these Auto
 # classes with `trust_remote_code=True` where this package is not installed.
 AUTO_MAP = {
@@ -134,6 +140,9 @@ class VaswaniConfig(PretrainedConfig):
         decoder_start_token_id: int = 1,
         **kwargs,
     ):
+        # Checked before anything is set: transformers' own checks would otherwise fail first, with less clear errors.
+        arguments = locals()
+        self._validate({name: arguments[name] for name in _FIELDS})
         self.vocab_size = vocab_size
         self.target_vocab_size = target_vocab_size
         self.d_model = d_model
@@ -184,7 +193,10 @@ class VaswaniConfig(PretrainedConfig):
             loaded = super().from_dict(config_dict, **kwargs)
             # Fields given as keyword arguments are set after construction: check the result once more.
             (loaded[0] if isinstance(loaded, tuple) else loaded)._validate()
-        except (TypeError, ValueError) as error:
+        except Exception as error:
+            # transformers' own field checks (huggingface_hub strict dataclasses) raise errors of their own types
+            if not isinstance(error, (TypeError, ValueError)) and "StrictDataclass" not in type(error).__name__:
+                raise
             message = str(error)
             if message.startswith(_CONFIG_JSON):
                 raise
@@ -212,67 +224,68 @@ class VaswaniConfig(PretrainedConfig):
         """Size of the target vocabulary: `target_vocab_size`, or `vocab_size` when that is `None`."""
         return self.target_vocab_size or self.vocab_size
 
-    def _validate(self) -> None:
-        sizes = {
-            "vocab_size": self.vocab_size,
-            "d_model": self.d_model,
-            "encoder_layers": self.encoder_layers,
-            "decoder_layers": self.decoder_layers,
-            "num_heads": self.num_heads,
-            "d_ff": self.d_ff,
-            "max_position_embeddings": self.max_position_embeddings,
-        }
-        if self.target_vocab_size is not None:
-            sizes["target_vocab_size"] = self.target_vocab_size
+    def _validate(self, values: dict | None = None) -> None:
+        """Raise ValueError for an impossible field; `values` (field -> value) checks arguments before they are set."""
+        if values is None:
+            values = {name: getattr(self, name, None) for name in _FIELDS}
+        v = values.get
+        vocab_size, target_vocab_size = v("vocab_size"), v("target_vocab_size")
+        sizes = {name: v(name) for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads",
+                                            "d_ff", "max_position_embeddings")}
+        if target_vocab_size is not None:
+            sizes["target_vocab_size"] = target_vocab_size
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"VaswaniConfig: {name} must be a positive integer, got {value!r}.")
+        decoder_vocab_size = target_vocab_size or vocab_size
         # A bool is a bool: "false" or "no" in a config.json (or 0/1) would otherwise read as truthy or be taken
         # for the other choice, silently building another model (pre-LN instead of post-LN, untied embeddings...).
         for name in ("normalize_before", "share_encoder_decoder_embeddings", "tie_word_embeddings", "scale_embedding",
                      "use_cache"):
-            value = getattr(self, name, None)
+            value = v(name)
             if not isinstance(value, bool):
                 raise ValueError(f"VaswaniConfig: {name} must be true or false (a JSON boolean), got {value!r} "
                                  f"({type(value).__name__}).")
-        eps = self.layer_norm_eps
+        eps = v("layer_norm_eps")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or not 0 < eps < 1:
             raise ValueError(f"VaswaniConfig: layer_norm_eps must be a small positive number (0 < eps < 1; the default "
                              f"is 1e-5), got {eps!r}.")
-        ids = {"pad_token_id": self.pad_token_id, "bos_token_id": self.bos_token_id,
-               "eos_token_id": self.eos_token_id, "decoder_start_token_id": self.decoder_start_token_id}
-        limit = min(self.vocab_size, self.decoder_vocab_size)
-        for name, value in ids.items():
-            values = value if isinstance(value, list) and name == "eos_token_id" and value else [value]
-            for item in values:
+        limit = min(vocab_size, decoder_vocab_size)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            value = v(name)
+            items = value if isinstance(value, list) and name == "eos_token_id" and value else [value]
+            for item in items:
                 if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < limit:
                     raise ValueError(f"VaswaniConfig: {name} must be a token id in [0, {limit}) (the vocabulary has "
                                      f"{limit} entries), got {value!r}. Use the special ids of the tokenizer saved "
                                      f"with the model.")
-        if self.d_model % self.num_heads:
+        d_model, num_heads = v("d_model"), v("num_heads")
+        if d_model % num_heads:
             raise ValueError(
-                f"VaswaniConfig: d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}) so that "
+                f"VaswaniConfig: d_model ({d_model}) must be divisible by num_heads ({num_heads}) so that "
                 f"each head has d_k = d_model / num_heads dimensions (§3.2.2); choose e.g. num_heads="
-                f"{max(h for h in range(1, self.num_heads + 1) if self.d_model % h == 0)}."
+                f"{max(h for h in range(1, num_heads + 1) if d_model % h == 0)}."
             )
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
-            value = getattr(self, name)
+            value = v(name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"VaswaniConfig: {name} must be in [0, 1), got {value!r}.")
-        if not isinstance(self.activation_function, str) or self.activation_function not in _ACTIVATIONS:
+        activation = v("activation_function")
+        if not isinstance(activation, str) or activation not in _ACTIVATIONS:
             raise ValueError(
-                f"VaswaniConfig: unknown activation_function {self.activation_function!r}; "
+                f"VaswaniConfig: unknown activation_function {activation!r}; "
                 f"choose one of {', '.join(_ACTIVATIONS)} (the paper uses 'relu')."
             )
-        if not isinstance(self.position_embedding_type, str) or self.position_embedding_type not in _POSITIONS:
+        positions = v("position_embedding_type")
+        if not isinstance(positions, str) or positions not in _POSITIONS:
             raise ValueError(
-                f"VaswaniConfig: unknown position_embedding_type {self.position_embedding_type!r}; "
+                f"VaswaniConfig: unknown position_embedding_type {positions!r}; "
                 f"choose 'sinusoidal' (the paper, §3.5) or 'learned' (Table 3, row E)."
             )
-        if self.share_encoder_decoder_embeddings and self.decoder_vocab_size != self.vocab_size:
+        if v("share_encoder_decoder_embeddings") and decoder_vocab_size != vocab_size:
             raise ValueError(
                 f"VaswaniConfig: share_encoder_decoder_embeddings=True needs one vocabulary, but vocab_size="
-                f"{self.vocab_size} and target_vocab_size={self.target_vocab_size}. Set "
+                f"{vocab_size} and target_vocab_size={target_vocab_size}. Set "
                 "share_encoder_decoder_embeddings=False for separate source and target vocabularies."
             )
 
