@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_model
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
@@ -388,7 +388,7 @@ VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(allo
                    st.lists(st.integers(0, 5), max_size=2))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(changes=st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=4))
 def test_any_config_json_builds_a_working_model_or_is_refused_naming_config_json(tmp_path, changes):
     base = dict(vocab_size=20, d_model=8, encoder_layers=1, decoder_layers=1, num_heads=2, d_ff=8)
@@ -400,7 +400,9 @@ def test_any_config_json_builds_a_working_model_or_is_refused_naming_config_json
         loaded = VaswaniConfig.from_pretrained(folder)
     except ValueError as error:
         assert str(error).startswith(f"{folder / 'config.json'}: "), str(error)
+        event("refused")
         return
+    event("built")
     model = VaswaniForConditionalGeneration(loaded).eval()
     ids = torch.tensor([[min(3, loaded.vocab_size - 1), loaded.eos_token_id if isinstance(loaded.eos_token_id, int)
                          else 0]])
@@ -449,5 +451,7 @@ def test_a_damaged_file_of_a_model_folder_is_named_or_changes_nothing(pristine, 
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as error:  # noqa: BLE001 - the property: whatever the error, it names the file
         assert name in str(error), f"{type(error).__name__} does not name {name}: {error}"
+        event("refused, naming the file")
         return
+    event("loaded: identical translations required")
     assert translate_sentences(model, tokenizer, sentences, num_beams=2, max_new_tokens=6) == expected
