@@ -194,6 +194,19 @@ def test_ct2_export_never_replaces_the_model_folder(run, tmp_path, where):
     assert listing(source) == before
 
 
+def test_averaging_never_replaces_the_runs_own_model(run, tmp_path):
+    from training.average_checkpoints import main as average_main
+
+    source = tmp_path / "run"
+    shutil.copytree(run[0], source)
+    before = listing(source)
+    for output in (source, tmp_path):
+        exits_with(lambda: average_main(["--checkpoint_dir", str(source), "--last", "2", "--output_dir", str(output)]),
+                   r"(is the same folder as|contains) --checkpoint_dir")
+    assert listing(source) == before
+    assert average_main(["--checkpoint_dir", str(source), "--last", "2", "--output_dir", str(source / "averaged")]) == 0
+
+
 # No secrets in files --------------------------------------------------------------------------------------------------
 
 
