@@ -141,11 +141,16 @@ def _attention(args) -> list[Path]:
     from vaswani_hf import VaswaniForConditionalGeneration
     from vaswani_hf.visualization import attention_maps, plot_all_attention
 
+    from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs
+
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
     if args.num_beams < 1:
         raise ValueError(f"--num_beams must be >= 1, got {args.num_beams}.")
+    check_model_folder(model_dir)  # config, every JSON file, weights, tokenizer of the model's size
+    check_output_not_in_inputs(args.output_dir, [model_dir], allow_inside=True)  # plots beside the model are fine
+    check_output_dir(args.output_dir)
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     num_layers = min(model.config.encoder_layers, model.config.decoder_layers)

@@ -17,6 +17,7 @@ _CONFIG_JSON = "config.json"
 
 _ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
 _POSITIONS = ("sinusoidal", "learned")
+_MAX_SIZE = 2**31 - 1
 # The fields `VaswaniConfig._validate` checks.
 _FIELDS = ("vocab_size", "target_vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff",
            "dropout", "attention_dropout", "activation_dropout", "activation_function", "normalize_before",
@@ -237,6 +238,9 @@ class VaswaniConfig(PretrainedConfig):
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"VaswaniConfig: {name} must be a positive integer, got {value!r}.")
+            if value > _MAX_SIZE:
+                raise ValueError(f"VaswaniConfig: {name} must be at most {_MAX_SIZE} (a tensor dimension torch can "
+                                 f"index), got {value}.")
         decoder_vocab_size = target_vocab_size or vocab_size
         # A bool is a bool: "false" or "no" in a config.json (or 0/1) would otherwise read as truthy or be taken
         # for the other choice, silently building another model (pre-LN instead of post-LN, untied embeddings...).
