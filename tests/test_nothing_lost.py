@@ -363,6 +363,19 @@ def test_truncated_metrics_and_trainer_state_are_named(run, tmp_path):
         plot_learning_curve(state, tmp_path / "curve.png")
 
 
+def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
+    from training.common import DataArguments, ModelArguments, get_tokenizer
+
+    data = {"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."}, {"de": "Eine Katze.", "en": "A cat."}]}
+    model_args = ModelArguments(cache_dir=str(tmp_path))
+    first = get_tokenizer(model_args, data, DataArguments(), 300)
+    (cached,) = (tmp_path / "tokenizers").iterdir()
+    (cached / "tokenizer.json").write_text('{"version": ')
+    again = get_tokenizer(model_args, data, DataArguments(), 300)
+    assert again.get_vocab() == first.get_vocab()
+    assert read_json(cached / "tokenizer.json")["model"]["type"] == "BPE", "the cache entry is rebuilt"
+
+
 def test_read_json_names_the_file(tmp_path):
     path = tmp_path / "x.json"
     path.write_text('{"a": ')
