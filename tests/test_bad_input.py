@@ -333,7 +333,7 @@ def test_a_folder_of_another_model_type_is_refused(foreign_folders, tmp_path, mo
     folder = foreign_folders[model_type]
     # transformers alone only warns, then fails deep inside (Marian) or loads none of the weights (BART).
     for load in (VaswaniForConditionalGeneration.from_pretrained, VaswaniConfig.from_pretrained):
-        with pytest.raises(ValueError, match=re.escape(f"{folder}: config.json is for a model of type "
+        with pytest.raises(ValueError, match=re.escape(f"{folder / 'config.json'}: model_type is "
                                                        f"'{model_type}' ({architecture}), not 'vaswani'")):
             load(folder)
     # The commands would otherwise load it with AutoModelForSeq2SeqLM and translate as a different model.

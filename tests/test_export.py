@@ -304,7 +304,7 @@ def test_export_errors_are_clear(trained, tmp_path, monkeypatch, tiny_model):
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "bart"}))
-    with pytest.raises(SystemExit, match="holds a 'bart' model"):
+    with pytest.raises(SystemExit, match="model_type is 'bart', not 'vaswani'"):
         export_main(["--model_dir", str(other), "--output_dir", str(tmp_path / "y")])
     tiny_model.save_pretrained(tmp_path / "no_tokenizer")
     with pytest.raises(SystemExit, match="no tokenizer.json"):

@@ -106,7 +106,7 @@ CHECKED_WRITES = {
     ("training/export.py", "export_for_hub", "write_text"): "into the same mkdtemp folder",
     ("training/train_no_trainer.py", "save_checkpoint", "save_pretrained"): "into .tmp-checkpoint-<step>, renamed",
     ("training/train_no_trainer.py", "save_checkpoint", "save_state"): "into the same .tmp-checkpoint-<step>",
-    ("training/train_no_trainer.py", "run.save_model_hook", "save_pretrained"): "called by save_state into the tmp "
+    ("training/train_no_trainer.py", "_run.save_model_hook", "save_pretrained"): "called by save_state into the tmp "
                                                                                 "checkpoint folder",
     ("vaswani_hf/averaging.py", "_atomic_copy", "copyfile"): "temporary file, then os.replace",
     ("vaswani_hf/averaging.py", "save_averaged_model", "save_file"): "through _atomic_write",
@@ -116,9 +116,11 @@ CHECKED_WRITES = {
     # The final model folder of a training run is written by transformers (save_model / save_pretrained), file by
     # file. A kill during that save can leave a truncated model.safetensors: from_pretrained and the commands then
     # refuse it with a clear error (tests/test_bad_input.py), and the checkpoint-<step> folders still hold the run.
-    ("training/train.py", "main", "save_model"): "transformers' model folder; truncation is detected on load",
-    ("training/train.py", "main", "save_pretrained"): "the tokenizer beside it; as above",
-    ("training/train_no_trainer.py", "run", "save_pretrained"): "transformers' model folder; as above",
+    # The lock file holds only the pid of the run holding it; the lock itself is the open file's flock.
+    ("vaswani_hf/checks.py", "RunLock.acquire", "open"): "a lock file; its content is informational",
+    ("training/train.py", "_train", "save_model"): "transformers' model folder; truncation is detected on load",
+    ("training/train.py", "_train", "save_pretrained"): "the tokenizer beside it; as above",
+    ("training/train_no_trainer.py", "_run", "save_pretrained"): "transformers' model folder; as above",
 }
 
 

@@ -433,7 +433,8 @@ def test_parameter_count_of_the_base_model_is_exact():
     assert _count(VaswaniConfig.base()) == 63_082_496
     # what is counted: one shared 37000 x 512 matrix + 6 encoder layers x 3,152,384 + 6 decoder layers x 4,204,032
     assert 37000 * 512 + 6 * 3_152_384 + 6 * 4_204_032 == 63_082_496
-    config = make_tiny_config(d_model=512, num_heads=8, d_ff=2048, vocab_size=1, pad_token_id=0)
+    # vocab_size 3: the smallest vocabulary that holds <pad>, <s> and </s>
+    config = make_tiny_config(d_model=512, num_heads=8, d_ff=2048, vocab_size=3)
     with torch.device("meta"):
         model = VaswaniForConditionalGeneration(config)
     assert sum(p.numel() for p in model.model.encoder.layers[0].parameters()) == 3_152_384

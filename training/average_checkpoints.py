@@ -34,8 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from vaswani_hf.averaging import average_checkpoints, average_last_checkpoints, save_averaged_model
+    from vaswani_hf.checks import check_output_dir, check_output_not_in_inputs
 
     try:
+        # The averaged model must not replace the run's own model (output_dir = the run folder) nor a folder that
+        # holds the checkpoints; a new folder inside the run (run/averaged) is fine.
+        inputs = [args.checkpoint_dir] if args.checkpoint_dir is not None else args.checkpoints
+        check_output_not_in_inputs(args.output_dir, inputs, input_flag="--checkpoint_dir" if args.checkpoint_dir
+                                   else "--checkpoints", allow_inside=True)
+        check_output_dir(args.output_dir)
         if args.checkpoint_dir is not None:
             used = average_last_checkpoints(args.checkpoint_dir, args.num_checkpoints, args.output_dir)
         else:

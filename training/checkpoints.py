@@ -21,9 +21,12 @@ import json
 import logging
 import os
 import re
-import struct
 import zipfile
 from pathlib import Path
+
+from vaswani_hf.checks import CheckError, safetensors_problem
+from vaswani_hf.checks import check_model_folder as _check_model_folder
+from vaswani_hf.checks import weights_problems as _weights_problems
 
 logger = logging.getLogger("vaswani_hf.training")
 
@@ -33,50 +36,11 @@ _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 _RESUME_LAST = ("true", "last", "latest")
 
 __all__ = ["CheckpointError", "REQUIRED_CHECKPOINT_FILES", "checkpoint_problems", "check_model_folder",
-           "resolve_resume_checkpoint", "safetensors_problem"]
+           "resolve_resume_checkpoint", "resolve_resume_value", "safetensors_problem"]
 
 
 class CheckpointError(ValueError):
     """A checkpoint or model folder that cannot be used; the message names the folder, what is wrong, and what to do."""
-
-
-def safetensors_problem(path: Path) -> str | None:
-    """Why `path` is not a complete safetensors file (missing, truncated, bad header), or None if it is complete.
-
-    Reads only the header: an 8-byte little-endian length, a JSON header of that length, then the tensor bytes, whose
-    extent the header's `data_offsets` give; the file must end exactly there.
-    """
-    if not path.is_file():
-        return f"{path.name} is missing"
-    size = path.stat().st_size
-    if size < 8:
-        return f"{path.name} is truncated ({size} bytes)"
-    with open(path, "rb") as handle:
-        (header_length,) = struct.unpack("<Q", handle.read(8))
-        if header_length > size - 8:
-            return f"{path.name} is truncated (header of {header_length} bytes, file of {size})"
-        try:
-            header = json.loads(handle.read(header_length))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return f"{path.name} has an unreadable header (not a safetensors file, or corrupted)"
-    if not isinstance(header, dict):
-        return f"{path.name} has an unreadable header (not a safetensors file, or corrupted)"
-    end = max((int(info["data_offsets"][1]) for key, info in header.items() if key != "__metadata__"), default=0)
-    if size != 8 + header_length + end:
-        return f"{path.name} is truncated or padded ({size} bytes, its header describes {8 + header_length + end})"
-    return None
-
-
-def _weights_problems(folder: Path) -> list[str]:
-    index = folder / "model.safetensors.index.json"
-    if not (folder / "model.safetensors").is_file() and index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError):
-            return [f"{index.name} is unreadable"]
-        return [problem for shard in shards if (problem := safetensors_problem(folder / shard))]
-    problem = safetensors_problem(folder / "model.safetensors")
-    return [problem] if problem else []
 
 
 def _zip_problem(path: Path) -> str | None:
@@ -148,6 +112,13 @@ def _newest_complete(output_dir: Path, asked: str) -> str:
         f"--resume_from_checkpoint, or restore a complete checkpoint folder.")
 
 
+def resolve_resume_value(value: str | bool | None) -> str | bool | None:
+    """`--resume_from_checkpoint` as given, or None where it means "do not resume" (unset, false, no, "")."""
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "false", "no")):
+        return None
+    return value
+
+
 def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | os.PathLike) -> str | None:
     """The checkpoint folder that `--resume_from_checkpoint value` should resume from, verified complete.
 
@@ -162,7 +133,7 @@ def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | os.Pat
         CheckpointError: no checkpoint at all, none complete, or the named folder is incomplete/missing; the message
             lists what is wrong and the newest complete alternative, if any.
     """
-    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "false", "no")):
+    if resolve_resume_value(value) is None:
         return None
     if value is True or (isinstance(value, str) and value.strip().lower() in _RESUME_LAST):
         return _newest_complete(Path(output_dir), str(value))
@@ -186,38 +157,14 @@ def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | os.Pat
 
 
 def check_model_folder(folder: str | os.PathLike, *, need_tokenizer: bool = True) -> None:
-    """Refuse, with a clear message, a folder that is not a complete saved `vaswani` model.
+    """Refuse, with a clear message, a folder that is not a complete saved `vaswani` model (`vaswani_hf.checks.
+    check_model_folder`: config.json valid and of model type `vaswani`, every JSON file parses, complete safetensors
+    weights, a tokenizer of the model's size and special ids).
 
     Raises:
-        CheckpointError: no folder/config.json; config.json of another model type (e.g. a Marian or BART folder,
-            which `AutoModelForSeq2SeqLM` would load and translate with, silently, as a different model); weights only
-            as `pytorch_model.bin` (pickle; this project reads safetensors only); truncated/damaged
-            `model.safetensors`; no tokenizer files (with `need_tokenizer`).
+        CheckpointError: naming the file at fault and what to do.
     """
-    folder = Path(folder)
-    config_path = folder / "config.json"
-    if not folder.is_dir() or not config_path.is_file():
-        raise CheckpointError(f"{folder} is not a saved model folder (no config.json); pass the --output_dir of a "
-                              f"training run, one of its checkpoint-<step> folders, or an exported folder.")
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{config_path}: not valid JSON ({error}); the folder is damaged.") from None
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type != "vaswani":
-        architectures = ", ".join(config.get("architectures") or []) if isinstance(config, dict) else ""
-        raise CheckpointError(
-            f"{config_path}: model_type is {model_type!r}{f' ({architectures})' if architectures else ''}, not "
-            f"'vaswani'. This command runs models trained by this project; load other models with their own classes.")
-    weights = _weights_problems(folder)
-    if weights:
-        if not (folder / "model.safetensors").exists() and (folder / "pytorch_model.bin").exists():
-            raise CheckpointError(
-                f"{folder}: the weights are only in pytorch_model.bin, a pickle that can run code when loaded; this "
-                f"project reads weights from model.safetensors only. Re-save the model with save_pretrained() "
-                f"(safetensors is the default) from a trusted session.")
-        raise CheckpointError(f"{folder}: the weights cannot be used ({'; '.join(weights)}). The save did not finish "
-                              f"or the file was damaged; copy it again or use another checkpoint.")
-    if need_tokenizer and not (folder / "tokenizer.json").is_file():
-        raise CheckpointError(f"{folder}: no tokenizer.json beside the model. Save the tokenizer with the model "
-                              f"(tokenizer.save_pretrained(folder)); training/train.py does so in --output_dir.")
+        _check_model_folder(folder, need_tokenizer=need_tokenizer)
+    except CheckError as error:
+        raise CheckpointError(str(error)) from None

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from vaswani_hf import VaswaniConfig, train_joint_bpe
+from vaswani_hf.checks import read_json
 from vaswani_hf.data import (
     DataError,
     TokenBudgetBatchSampler,
@@ -131,6 +133,9 @@ class RecipeArguments:
                 "Default: the preset's (cpu: 26 in fp32; 18 in bf16 autocast on a CPU with native bf16), unless "
                 "--max_steps is given."})
     num_samples: int = field(default=5, metadata={"help": "Sample translations printed at the end."})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start a new run in an --output_dir that holds an earlier run: its checkpoint-<step> folders are "
+                "removed, its model and metrics replaced. Without it such a folder is refused."})
     cpu_bf16: str = field(default="auto", metadata={
         "help": "Training on a CPU: auto (bf16 autocast where the CPU computes bf16 natively, AVX512-BF16 or AMX), "
                 "yes, or no (fp32)."})
@@ -313,8 +318,16 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
                                                              Path.home() / ".cache" / "vaswani_hf"))
     cached = cache_root / "tokenizers" / digest.hexdigest()[:16]
     if (cached / "tokenizer.json").is_file():
-        logger.info("Reusing the joint BPE cached at %s", cached)
-        return AutoTokenizer.from_pretrained(cached)
+        try:
+            for path in sorted(cached.glob("*.json")):
+                read_json(path)
+            tokenizer = AutoTokenizer.from_pretrained(cached)
+        except Exception as error:  # a damaged cache entry is rebuilt, not a failed run
+            logger.warning("The cached joint BPE at %s is damaged (%s); training it again.", cached, error)
+            shutil.rmtree(cached, ignore_errors=True)
+        else:
+            logger.info("Reusing the joint BPE cached at %s", cached)
+            return tokenizer
     logger.info("Training a joint BPE of %d entries on %d sentence pairs", vocab_size, len(src))
     tokenizer = train_joint_bpe([src, tgt], vocab_size=vocab_size)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent if cached.parent.exists() else None))

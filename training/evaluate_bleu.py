@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
 
-    import torch
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import vaswani_hf  # noqa: F401
@@ -48,9 +47,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name} must be >= 1, got {value}.")
     if not math.isfinite(args.length_penalty):
         raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
-    try:  # a vaswani model folder with complete safetensors weights and its tokenizer
+    from training.guards import check_device
+    from vaswani_hf.checks import CheckError, check_output_file
+
+    output = Path(args.output) if args.output else Path(args.model) / "test_metrics.json"
+    try:  # a vaswani model folder with complete safetensors weights and its tokenizer; a writable --output
         check_model_folder(args.model)
-    except CheckpointError as error:
+        device = check_device(args.device)
+        check_output_file(output, flag="--output")
+    except (CheckpointError, CheckError) as error:
         raise SystemExit(str(error)) from None
     data_args = DataArguments(source_lang=args.source_lang, target_lang=args.target_lang, test_file=args.test_file)
     if args.test_file:
@@ -58,14 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         test = load_multi30k(args.source_lang, args.target_lang, splits=("test",))["test"]
     test = select(test, args.max_test_samples)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model, use_safetensors=True).to(device)
     result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=args.batch_size,
                                num_beams=args.num_beams, length_penalty=args.length_penalty,
                                is_multi30k=args.test_file is None,
                                length_penalty_style=args.length_penalty_style)
-    output = Path(args.output) if args.output else Path(args.model) / "test_metrics.json"
     write_json_atomic(output, result["metrics"])
     for key, value in result["metrics"].items():
         print(f"{key}: {value}")

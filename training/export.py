@@ -129,10 +129,15 @@ def render_model_card(model, metrics: dict[str, Any], *, repo_id: str, template:
 
 
 def _read_metrics(path: Path | None) -> dict[str, Any]:
+    from vaswani_hf.checks import CheckError, read_json
+
     if path is None or not path.is_file():
         logger.warning("No metrics.json at %s: the model card will have no test BLEU.", path)
         return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+    metrics = read_json(path)  # an error naming the file if it does not parse
+    if not isinstance(metrics, dict):
+        raise CheckError(f"{path}: expected a JSON object of metrics, got {type(metrics).__name__}.")
+    return metrics
 
 
 def check_hub_folder(folder: str | os.PathLike) -> None:
@@ -166,7 +171,7 @@ def check_hub_folder(folder: str | os.PathLike) -> None:
 
 def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, repo_id: str | None = None,
                    metrics_file: str | os.PathLike | None = None, template: str | os.PathLike | None = None,
-                   license: str | None = None, force: bool = False) -> Path:
+                   license: str | None = None, force: bool = False, allow_inside: bool = False) -> Path:
     """Write the Hub-ready folder of the trained model in `model_dir` (a `save_pretrained` folder with its tokenizer,
     e.g. a training output_dir) to `output_dir`.
 
@@ -175,7 +180,8 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
         metrics_file: the run's metrics.json (default: `model_dir/metrics.json`; missing: a card without BLEU).
         template: the model card template (default: model_card.md at the repository root).
         license: Hub license id for the card (default: see `card_data_for`).
-        force: replace an existing `output_dir`.
+        force: replace an existing `output_dir`. Never one that is, contains or lies inside `model_dir`.
+        allow_inside: accept an `output_dir` inside `model_dir` (the training scripts' own `<output_dir>/hub`).
 
     Returns:
         `output_dir` as a Path.
@@ -190,14 +196,15 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
 
     from vaswani_hf import VaswaniForConditionalGeneration
 
+    from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs
+
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
-    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
-    if model_type != "vaswani":
-        raise ValueError(f"{model_dir} holds a {model_type!r} model, not a Vaswani Transformer.")
-    if not (model_dir / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{model_dir} has no tokenizer.json; save the tokenizer beside the model.")
+    # Replacing output_dir must never remove the model folder (a training run: checkpoints, metrics), --force or not.
+    check_output_not_in_inputs(output_dir, [model_dir], allow_inside=allow_inside)
+    check_model_folder(model_dir)  # config, every JSON file, weights, tokenizer of the model's size
+    check_output_dir(output_dir)
     if output_dir.exists() and not force:
         raise FileExistsError(f"{output_dir} exists; pass --force to replace it.")
     metrics = _read_metrics(Path(metrics_file) if metrics_file else model_dir / "metrics.json")
@@ -261,7 +268,7 @@ def export_and_push(model_dir: str | os.PathLike, *, repo_id: str | None, token:
     namespace). Returns the commit URL."""
     model_dir = Path(model_dir)
     repo_id = repo_id or model_dir.resolve().name
-    folder = export_for_hub(model_dir, model_dir / HUB_SUBFOLDER, repo_id=repo_id, force=True)
+    folder = export_for_hub(model_dir, model_dir / HUB_SUBFOLDER, repo_id=repo_id, force=True, allow_inside=True)
     return push_folder(folder, repo_id, token=token, private=private, endpoint=endpoint)
 
 

@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
     from vaswani_hf.export_ct2 import export_ct2
 
+    from vaswani_hf.checks import CheckError, check_model_folder
+
+    try:
+        check_model_folder(args.model_dir)  # config, every JSON file, weights, tokenizer of the model's size
+    except CheckError as error:
+        raise SystemExit(f"error: {error}") from None
     try:
         path = export_ct2(args.model_dir, args.output_dir, quantization=args.quantization,
                           max_positions=args.max_positions, force=args.force)

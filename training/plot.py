@@ -16,7 +16,6 @@ Needs matplotlib.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -79,7 +78,9 @@ def plot_learning_curve(trainer_state: str | Path, output: str | Path, metric: s
     from vaswani_hf.visualization import new_figure, save_figure
 
     state_path = find_trainer_state(trainer_state)
-    state = json.loads(state_path.read_text(encoding="utf-8"))
+    from vaswani_hf.checks import read_json
+
+    state = read_json(state_path)  # an error naming the file if it does not parse
     data = learning_curve_data(state.get("log_history", []), metric)
     score = f"eval_{metric}"
     panels = [("loss", ["train_loss", "eval_loss"]), (metric.upper() if metric == "bleu" else metric, [score]),
@@ -140,11 +141,16 @@ def _attention(args) -> list[Path]:
     from vaswani_hf import VaswaniForConditionalGeneration
     from vaswani_hf.visualization import attention_maps, plot_all_attention
 
+    from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs
+
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
     if args.num_beams < 1:
         raise ValueError(f"--num_beams must be >= 1, got {args.num_beams}.")
+    check_model_folder(model_dir)  # config, every JSON file, weights, tokenizer of the model's size
+    check_output_not_in_inputs(args.output_dir, [model_dir], allow_inside=True)  # plots beside the model are fine
+    check_output_dir(args.output_dir)
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     num_layers = min(model.config.encoder_layers, model.config.decoder_layers)

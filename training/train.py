@@ -36,6 +36,7 @@ from transformers import (
     set_seed,
 )
 
+from training.checkpoints import resolve_resume_value
 from training.common import (
     DataArguments,
     ModelArguments,
@@ -51,7 +52,16 @@ from training.common import (
     setup_logging,
     token_budget_sampler,
 )
+from training.guards import (
+    average_current_run,
+    check_average_last,
+    check_model_inputs,
+    check_run_output_dir,
+    given_flags,
+    strip_hub_token,
+)
 from vaswani_hf import VaswaniForConditionalGeneration
+from vaswani_hf.checks import CheckError, RunLock, check_output_dir
 from vaswani_hf.data import example_lengths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
@@ -181,6 +191,7 @@ def precision_choice(training_args: Seq2SeqTrainingArguments, recipe) -> tuple[s
 def build_parser() -> HfArgumentParser:
     parser = HfArgumentParser((ModelArguments, DataArguments, RecipeArguments, Seq2SeqTrainingArguments))
     parser.set_defaults(**TRAINER_DEFAULTS)
+    parser.allow_abbrev = False  # "--max_st 3" would set max_steps without counting as given (the preset would win)
     return parser
 
 
@@ -190,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     model_args, data_args, recipe, training_args = parser.parse_args_into_dataclasses(args=argv)
     preset = resolve_preset(model_args)
-    given = set(a.split("=")[0].lstrip("-") for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--"))
+    given = given_flags(parser, argv)  # --max-steps and --max_steps alike
     if "max_steps" not in given and "num_train_epochs" not in given:
         training_args.max_steps = preset["max_steps"]
     if "warmup_steps" not in given:
@@ -215,7 +226,47 @@ def main(argv: list[str] | None = None) -> dict:
         data_args.max_eval_samples = preset.get("max_eval_samples")
     max_tokens = data_args.max_tokens or preset["max_tokens"]
     lr_factor = recipe.lr_factor or preset["lr_factor"]
+    budget = recipe.time_budget_minutes
+    if budget is None and "max_steps" not in given:
+        native_bf16 = precision == "bf16 autocast" and training_args.device.type == "cpu" and cpu_has_native_bf16()
+        budget = preset.get("time_budget_minutes_bf16" if native_bf16 else "time_budget_minutes")
+    if budget is not None and (isinstance(budget, bool) or not budget > 0):
+        raise ValueError(f"--time_budget_minutes must be a positive number of minutes, got {budget}.")
+    plan = {"budget": budget, "precision": precision, "precision_reason": precision_reason, "warmup": warmup}
     check_distributed(training_args.world_size)
+    # Everything that can be checked is checked now, before the data, the tokenizer and the training run.
+    resuming = bool(resolve_resume_value(training_args.resume_from_checkpoint))
+    training_args.save_total_limit = check_average_last(
+        recipe.average_last, save_total_limit=training_args.save_total_limit,
+        save_total_limit_given="save_total_limit" in given,
+        saving=getattr(training_args.save_strategy, "value", training_args.save_strategy) != "no",
+        max_steps=training_args.max_steps, save_steps=training_args.save_steps, resuming=resuming)
+    check_model_inputs(model_args.model_name_or_path, model_args.tokenizer_name, model_args.config_overrides)
+    hub_token = strip_hub_token(training_args)  # Trainer pickles its arguments into training_args.bin
+    lock = None
+    if training_args.process_index == 0:
+        check_output_dir(training_args.output_dir, flag="--output_dir")  # writable, not a file
+        lock = RunLock(training_args.output_dir).acquire()  # a second run into this folder is refused
+    try:
+        if lock is not None:
+            try:
+                check_run_output_dir(training_args.output_dir, resuming=resuming,
+                                     overwrite=recipe.overwrite_output_dir,
+                                     inputs={"--model_name_or_path": model_args.model_name_or_path,
+                                             "--tokenizer_name": model_args.tokenizer_name})
+            except CheckError:
+                lock.release(remove=True)  # refused: the folder is left as it was found
+                raise
+        return _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_factor, hub_token,
+                      resuming, plan)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_factor, hub_token,
+           resuming, plan: dict) -> dict:
+    run_started = time.time()
     # --push_to_hub: the Trainer's own pushes (a commit per checkpoint, its own model card) are off; at the end the
     # run is exported as a Hub-ready folder (training/export.py: remote code, model card with the test BLEU) and that
     # folder is uploaded.
@@ -253,10 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     time_limit = TimeLimit(recipe.max_train_minutes)
     callbacks = [time_limit]
-    budget = recipe.time_budget_minutes
-    if budget is None and "max_steps" not in given:
-        native_bf16 = precision == "bf16 autocast" and training_args.device.type == "cpu" and cpu_has_native_bf16()
-        budget = preset.get("time_budget_minutes_bf16" if native_bf16 else "time_budget_minutes")
+    budget = plan["budget"]
     if budget:
         from training.planner import BudgetPlanner
 
@@ -267,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks.append(BudgetPlanner(
             budget, training_args.max_steps, cooldown_fraction=preset.get("cooldown_fraction", 0.0),
             test_sentences=test_sentences, eval_sentences=len(eval_dataset) if eval_dataset is not None else 0,
-            precision=precision, precision_reason=precision_reason))
+            precision=plan["precision"], precision_reason=plan["precision_reason"]))
     trainer = PaperTrainer(
         model=model,
         args=training_args,
@@ -279,7 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks=callbacks,
         max_tokens=max_tokens,
         d_model=model.config.d_model,
-        warmup=warmup,
+        warmup=plan["warmup"],
         lr_factor=lr_factor,
     )
 
@@ -303,10 +351,9 @@ def main(argv: list[str] | None = None) -> dict:
     train_seconds = time.perf_counter() - start
     output_dir = Path(training_args.output_dir)
     if recipe.average_last and trainer.is_world_process_zero():
-        from vaswani_hf.averaging import average_last_checkpoints
-
         trainer.save_model()  # the final step as a checkpoint-free copy first
-        average_last_checkpoints(output_dir, recipe.average_last, save_to=output_dir)
+        # Only this run's checkpoints (or the resumed run's), never an earlier run's left in the folder.
+        average_current_run(output_dir, recipe.average_last, started=run_started, resuming=resuming)
         trainer.model.load_state_dict(
             VaswaniForConditionalGeneration.from_pretrained(output_dir).state_dict(), strict=True)
         logger.info("Averaged the last %d checkpoints into %s", recipe.average_last, output_dir)
@@ -332,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
         "mixed_precision": training_args.mixed_precision,
         "torch_threads": torch.get_num_threads(),
         "averaged_checkpoints": recipe.average_last,
-        "precision": precision,
+        "precision": plan["precision"],
     })
     planner = next((c for c in callbacks if type(c).__name__ == "BudgetPlanner"), None)
     if planner is not None and planner.plans:
@@ -353,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     if push_to_hub and trainer.is_world_process_zero():
         from training.export import export_and_push
 
-        export_and_push(output_dir, repo_id=training_args.hub_model_id, token=training_args.hub_token,
+        export_and_push(output_dir, repo_id=training_args.hub_model_id, token=hub_token,
                         private=training_args.hub_private_repo)
     return metrics
 
@@ -361,7 +408,14 @@ def main(argv: list[str] | None = None) -> dict:
 def cli() -> int:
     """Console entry `vaswani-train`: runs `main` and exits 0 (`main` returns the metrics dict, which `sys.exit` would
     print and turn into exit status 1)."""
-    main()
+    from training.checkpoints import CheckpointError
+    from vaswani_hf.checks import CheckError
+    from vaswani_hf.data import DataError
+
+    try:
+        main()
+    except (CheckError, CheckpointError, DataError) as error:  # what was wrong and what to do; no traceback
+        raise SystemExit(f"error: {error}") from None
     return 0
 
 

@@ -32,7 +32,6 @@ There is no validation during training; use train.py for validation BLEU every -
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -64,8 +63,10 @@ from training.common import (
     wants_cpu_bf16,
     write_json_atomic,
 )
+from training.guards import average_current_run, check_average_last, check_model_inputs, check_run_output_dir
 from vaswani_hf import VaswaniForConditionalGeneration
-from vaswani_hf.averaging import average_last_checkpoints, find_checkpoints
+from vaswani_hf.averaging import find_checkpoints
+from vaswani_hf.checks import CheckError, RunLock, check_output_dir, read_json
 from vaswani_hf.schedule import paper_optimizer_and_schedule
 
 logger = logging.getLogger("vaswani_hf.train_no_trainer")
@@ -196,9 +197,6 @@ def run(argv: list[str] | None = None):
         FileNotFoundError: --resume_from_checkpoint does not name a complete checkpoint.
         RuntimeError: launched processes that did not join one job (see `training.common.check_distributed`).
     """
-    from accelerate import Accelerator, DistributedType
-    from accelerate.utils import GradientAccumulationPlugin
-
     setup_logging()
     keep_freed_memory()
     model_args, data_args, recipe, loop = build_parser().parse_args_into_dataclasses(args=argv)
@@ -208,9 +206,38 @@ def run(argv: list[str] | None = None):
     warmup = loop.warmup_steps or preset["warmup_steps"]
     max_tokens = data_args.max_tokens or preset["max_tokens"]
     lr_factor = recipe.lr_factor or preset["lr_factor"]
-    accumulation = loop.gradient_accumulation_steps
     output_dir = Path(loop.output_dir)
+    # Everything that can be checked is checked now, before the data, the tokenizer and the training run.
+    resuming = bool(loop.resume_from_checkpoint)
+    check_average_last(recipe.average_last, save_total_limit=loop.save_total_limit, save_total_limit_given=False,
+                       saving=True, max_steps=max_steps, save_steps=loop.checkpointing_steps or max_steps,
+                       resuming=resuming)
+    check_model_inputs(model_args.model_name_or_path, model_args.tokenizer_name, model_args.config_overrides)
+    check_output_dir(output_dir, flag="--output_dir")
+    lock = RunLock(output_dir).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        if lock is not None:
+            try:
+                check_run_output_dir(output_dir, resuming=resuming, overwrite=recipe.overwrite_output_dir,
+                                     inputs={"--model_name_or_path": model_args.model_name_or_path,
+                                             "--tokenizer_name": model_args.tokenizer_name})
+            except CheckError:
+                lock.release(remove=True)  # refused: the folder is left as it was found
+                raise
+        return _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tokens, lr_factor,
+                    output_dir, resuming)
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tokens, lr_factor, output_dir,
+         resuming):
+    from accelerate import Accelerator, DistributedType
+    from accelerate.utils import GradientAccumulationPlugin
+
+    run_started = time.time()
+    accumulation = loop.gradient_accumulation_steps
     mixed_precision = loop.mixed_precision
     if (mixed_precision is None and "ACCELERATE_MIXED_PRECISION" not in os.environ
             and (loop.cpu or not _has_accelerator_device()) and wants_cpu_bf16(recipe)):
@@ -262,7 +289,7 @@ def run(argv: list[str] | None = None):
     if loop.resume_from_checkpoint:
         checkpoint = resolve_checkpoint(loop.resume_from_checkpoint, output_dir)
         accelerator.load_state(str(checkpoint))
-        saved_state = json.loads((checkpoint / STATE_NAME).read_text())
+        saved_state = read_json(checkpoint / STATE_NAME)
         completed, log_history = saved_state["global_step"], saved_state["log_history"]
         logger.info("Resumed from %s at update %d", checkpoint, completed)
 
@@ -359,7 +386,8 @@ def run(argv: list[str] | None = None):
         write_json_atomic(output_dir / STATE_NAME,
                           {"global_step": completed, "max_steps": max_steps, "log_history": log_history})
         if recipe.average_last:
-            average_last_checkpoints(output_dir, recipe.average_last, save_to=output_dir)
+            # Only this run's checkpoints (or the resumed run's), never an earlier run's left in the folder.
+            average_current_run(output_dir, recipe.average_last, started=run_started, resuming=resuming)
             unwrapped.load_state_dict(VaswaniForConditionalGeneration.from_pretrained(output_dir).state_dict())
             logger.info("Averaged the last %d checkpoints into %s", recipe.average_last, output_dir)
         finish_run(unwrapped, tokenizer, raw, data_args, recipe, metrics, output_dir,
@@ -381,7 +409,14 @@ def main(argv: list[str] | None = None) -> dict:
 def cli() -> int:
     """Console entry `vaswani-train-no-trainer`: runs `main` and exits 0 (`main` returns the metrics dict, which
     `sys.exit` would print and turn into exit status 1)."""
-    main()
+    from training.checkpoints import CheckpointError
+    from vaswani_hf.checks import CheckError
+    from vaswani_hf.data import DataError
+
+    try:
+        main()
+    except (CheckError, CheckpointError, DataError) as error:  # what was wrong and what to do; no traceback
+        raise SystemExit(f"error: {error}") from None
     return 0
 
 

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hf: transformers' score / |Y|^alpha; gnmt: the paper's ((5+|Y|)/6)^alpha (§6.1).")
     parser.add_argument("--batch_size", type=int, default=64, help="Sentences per batch (default 64).")
     parser.add_argument("--max_new_tokens", type=int, default=None,
-                        help="Maximum output length (default: input length + 50).")
+                        help="Maximum output length (default: input length + 50); both length penalty styles.")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda if available).")
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="Allow a Hub-style folder's own model code to run (only for folders you trust).")
@@ -62,7 +62,6 @@ def decode_lines(raw: bytes, name: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import torch
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
@@ -79,10 +78,22 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
     model_dir = Path(args.model)
     from training.checkpoints import CheckpointError, check_model_folder
+    from training.guards import check_device
+    from vaswani_hf.checks import CheckError, check_output_file
 
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer
         check_model_folder(model_dir)
-    except CheckpointError as error:
+        device = check_device(args.device)
+        if args.output != "-":  # found now, not after every sentence is translated
+            check_output_file(args.output, flag="--output")
+            output = Path(args.output).resolve()
+            if args.input != "-" and output == Path(args.input).resolve():
+                raise CheckError(f"--output {args.output} is the --input file; the translations would replace the "
+                                 f"sentences. Choose another --output.")
+            if output.parent == model_dir.resolve() and output.exists():
+                raise CheckError(f"--output {args.output} is a file of the model folder {model_dir}; choose another "
+                                 f"--output.")
+    except (CheckpointError, CheckError) as error:
         raise SystemExit(str(error)) from None
     if args.input == "-":
         stdin = getattr(sys.stdin, "buffer", None)
@@ -94,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         lines = decode_lines(path.read_bytes(), str(path))
     if not any(line.strip() for line in lines):
         raise SystemExit(f"No input sentences: {'stdin' if args.input == '-' else args.input} is empty.")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code,
                                                   use_safetensors=True).to(device)
@@ -104,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 
         alpha = args.length_penalty if args.length_penalty is not None else 0.6
         beams = args.num_beams or 4
+        # --max_new_tokens caps every output as in hf style; without it the paper's input length + 50 (§6.1).
+        limits = {"max_len_a": 0.0, "max_len_b": args.max_new_tokens} if args.max_new_tokens else {}
         generate_fn = lambda m, **kw: paper_generate(  # noqa: E731
-            m, kw["input_ids"], kw["attention_mask"], num_beams=beams, alpha=alpha)
+            m, kw["input_ids"], kw["attention_mask"], num_beams=beams, alpha=alpha, **limits)
     # Empty lines stay empty lines, so the output aligns with the input line by line.
     index = [i for i, line in enumerate(lines) if line.strip()]
     translated = translate_sentences(model, tokenizer, [lines[i] for i in index], batch_size=args.batch_size,

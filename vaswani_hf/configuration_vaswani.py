@@ -8,10 +8,22 @@ This file imports only transformers and the standard library: it is copied to th
 must stand alone there.
 """
 
+import math
+import os
+
 from transformers import PretrainedConfig
+
+_CONFIG_JSON = "config.json"
 
 _ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
 _POSITIONS = ("sinusoidal", "learned")
+_MAX_SIZE = 2**31 - 1
+# The fields `VaswaniConfig._validate` checks.
+_FIELDS = ("vocab_size", "target_vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff",
+           "dropout", "attention_dropout", "activation_dropout", "activation_function", "normalize_before",
+           "position_embedding_type", "max_position_embeddings", "share_encoder_decoder_embeddings",
+           "tie_word_embeddings", "scale_embedding", "label_smoothing", "layer_norm_eps", "use_cache", "pad_token_id",
+           "bos_token_id", "eos_token_id", "decoder_start_token_id")
 # Written into every saved config.json: with the two code files saved beside it, a folder loads through these Auto
 # classes with `trust_remote_code=True` where this package is not installed.
 AUTO_MAP = {
@@ -77,7 +89,10 @@ class VaswaniConfig(PretrainedConfig):
 
     Raises:
         ValueError: on impossible sizes (non-positive, `d_model` not divisible by `num_heads`), dropout outside
-            `[0, 1)`, an unknown activation or position type, or embedding sharing across different vocabularies.
+            `[0, 1)`, `layer_norm_eps` not in `(0, 1)`, a flag that is not a real bool (no `"false"` strings), a
+            special token id outside `[0, vocab_size)`, an unknown activation or position type, or embedding sharing
+            across different vocabularies. Checked at construction and on load (`from_dict`, `from_pretrained`),
+            where the message names the config.json.
 
     Example:
 
@@ -127,6 +142,9 @@ class VaswaniConfig(PretrainedConfig):
         decoder_start_token_id: int = 1,
         **kwargs,
     ):
+        # Checked before anything is set: transformers' own checks would otherwise fail first, with less clear errors.
+        arguments = locals()
+        self._validate({name: arguments[name] for name in _FIELDS})
         self.vocab_size = vocab_size
         self.target_vocab_size = target_vocab_size
         self.d_model = d_model
@@ -169,20 +187,38 @@ class VaswaniConfig(PretrainedConfig):
         if model_type is not None and model_type != cls.model_type:
             architectures = ", ".join(config_dict.get("architectures") or []) or "unknown architecture"
             raise ValueError(
-                f"config.json is for a model of type {model_type!r} ({architectures}), not {cls.model_type!r}: this is "
+                f"{_CONFIG_JSON}: model_type is {model_type!r} ({architectures}), not {cls.model_type!r}: this is "
                 f"not a VaswaniForConditionalGeneration folder. Load it with its own class (e.g. "
                 f"AutoModelForSeq2SeqLM), or point to a folder saved from this model."
             )
-        return super().from_dict(config_dict, **kwargs)
+        try:
+            loaded = super().from_dict(config_dict, **kwargs)
+            # Fields given as keyword arguments are set after construction: check the result once more.
+            (loaded[0] if isinstance(loaded, tuple) else loaded)._validate()
+        except Exception as error:
+            # transformers' own field checks (huggingface_hub strict dataclasses) raise errors of their own types
+            if not isinstance(error, (TypeError, ValueError)) and "StrictDataclass" not in type(error).__name__:
+                raise
+            message = str(error)
+            if message.startswith(_CONFIG_JSON):
+                raise
+            raise ValueError(f"{_CONFIG_JSON}: {message.removeprefix('VaswaniConfig: ')} Fix the field in config.json "
+                             f"(or re-save the config from a trusted session).") from None
+        return loaded
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "VaswaniConfig":
-        """`PretrainedConfig.from_pretrained`, with the folder or repository named in a wrong-model-type error."""
+        """`PretrainedConfig.from_pretrained`, with the config.json of the folder named in every validation error."""
         try:
             return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         except ValueError as error:
-            if str(error).startswith("config.json is for a model of type"):
-                raise ValueError(f"{pretrained_model_name_or_path}: {error}") from None
+            message = str(error)
+            if message.startswith(_CONFIG_JSON):
+                where = pretrained_model_name_or_path
+                if os.path.isdir(where):
+                    where = os.path.join(where, kwargs.get("subfolder") or "", "config.json")
+                    message = message[len(_CONFIG_JSON) + 1:].lstrip()
+                raise ValueError(f"{where}: {message}") from None
             raise
 
     @property
@@ -190,45 +226,71 @@ class VaswaniConfig(PretrainedConfig):
         """Size of the target vocabulary: `target_vocab_size`, or `vocab_size` when that is `None`."""
         return self.target_vocab_size or self.vocab_size
 
-    def _validate(self) -> None:
-        sizes = {
-            "vocab_size": self.vocab_size,
-            "d_model": self.d_model,
-            "encoder_layers": self.encoder_layers,
-            "decoder_layers": self.decoder_layers,
-            "num_heads": self.num_heads,
-            "d_ff": self.d_ff,
-            "max_position_embeddings": self.max_position_embeddings,
-        }
-        if self.target_vocab_size is not None:
-            sizes["target_vocab_size"] = self.target_vocab_size
+    def _validate(self, values: dict | None = None) -> None:
+        """Raise ValueError for an impossible field; `values` (field -> value) checks arguments before they are set."""
+        if values is None:
+            values = {name: getattr(self, name, None) for name in _FIELDS}
+        v = values.get
+        vocab_size, target_vocab_size = v("vocab_size"), v("target_vocab_size")
+        sizes = {name: v(name) for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads",
+                                            "d_ff", "max_position_embeddings")}
+        if target_vocab_size is not None:
+            sizes["target_vocab_size"] = target_vocab_size
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"VaswaniConfig: {name} must be a positive integer, got {value!r}.")
-        if self.d_model % self.num_heads:
+            if value > _MAX_SIZE:
+                raise ValueError(f"VaswaniConfig: {name} must be at most {_MAX_SIZE} (a tensor dimension torch can "
+                                 f"index), got {value}.")
+        decoder_vocab_size = target_vocab_size or vocab_size
+        # A bool is a bool: "false" or "no" in a config.json (or 0/1) would otherwise read as truthy or be taken
+        # for the other choice, silently building another model (pre-LN instead of post-LN, untied embeddings...).
+        for name in ("normalize_before", "share_encoder_decoder_embeddings", "tie_word_embeddings", "scale_embedding",
+                     "use_cache"):
+            value = v(name)
+            if not isinstance(value, bool):
+                raise ValueError(f"VaswaniConfig: {name} must be true or false (a JSON boolean), got {value!r} "
+                                 f"({type(value).__name__}).")
+        eps = v("layer_norm_eps")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or not 0 < eps < 1:
+            raise ValueError(f"VaswaniConfig: layer_norm_eps must be a small positive number (0 < eps < 1; the default "
+                             f"is 1e-5), got {eps!r}.")
+        limit = min(vocab_size, decoder_vocab_size)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            value = v(name)
+            items = value if isinstance(value, list) and name == "eos_token_id" and value else [value]
+            for item in items:
+                if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < limit:
+                    raise ValueError(f"VaswaniConfig: {name} must be a token id in [0, {limit}) (the vocabulary has "
+                                     f"{limit} entries), got {value!r}. Use the special ids of the tokenizer saved "
+                                     f"with the model.")
+        d_model, num_heads = v("d_model"), v("num_heads")
+        if d_model % num_heads:
             raise ValueError(
-                f"VaswaniConfig: d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads}) so that "
+                f"VaswaniConfig: d_model ({d_model}) must be divisible by num_heads ({num_heads}) so that "
                 f"each head has d_k = d_model / num_heads dimensions (§3.2.2); choose e.g. num_heads="
-                f"{max(h for h in range(1, self.num_heads + 1) if self.d_model % h == 0)}."
+                f"{max(h for h in range(1, num_heads + 1) if d_model % h == 0)}."
             )
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            value = v(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"VaswaniConfig: {name} must be in [0, 1), got {value!r}.")
-        if self.activation_function not in _ACTIVATIONS:
+        activation = v("activation_function")
+        if not isinstance(activation, str) or activation not in _ACTIVATIONS:
             raise ValueError(
-                f"VaswaniConfig: unknown activation_function {self.activation_function!r}; "
+                f"VaswaniConfig: unknown activation_function {activation!r}; "
                 f"choose one of {', '.join(_ACTIVATIONS)} (the paper uses 'relu')."
             )
-        if self.position_embedding_type not in _POSITIONS:
+        positions = v("position_embedding_type")
+        if not isinstance(positions, str) or positions not in _POSITIONS:
             raise ValueError(
-                f"VaswaniConfig: unknown position_embedding_type {self.position_embedding_type!r}; "
+                f"VaswaniConfig: unknown position_embedding_type {positions!r}; "
                 f"choose 'sinusoidal' (the paper, §3.5) or 'learned' (Table 3, row E)."
             )
-        if self.share_encoder_decoder_embeddings and self.decoder_vocab_size != self.vocab_size:
+        if v("share_encoder_decoder_embeddings") and decoder_vocab_size != vocab_size:
             raise ValueError(
                 f"VaswaniConfig: share_encoder_decoder_embeddings=True needs one vocabulary, but vocab_size="
-                f"{self.vocab_size} and target_vocab_size={self.target_vocab_size}. Set "
+                f"{vocab_size} and target_vocab_size={target_vocab_size}. Set "
                 "share_encoder_decoder_embeddings=False for separate source and target vocabularies."
             )
 

@@ -223,20 +223,26 @@ def export_ct2(
             CTranslate2 can also convert at load time: ``ctranslate2.Translator(path, compute_type="int8")``.
         vocabulary: tokens in id order, when ``model_dir`` has no tokenizer.
         max_positions: rows of the exported position table (default ``config.max_position_embeddings``).
-        force: replace an existing ``output_dir``.
+        force: replace an existing ``output_dir``; never one that is, contains or lies inside ``model_dir``.
     Returns:
         ``Path(output_dir)``.
     Raises:
         FileExistsError: ``output_dir`` exists and ``force`` is False.
-        ValueError: an unknown quantization, no tokenizer and no ``vocabulary``, a vocabulary that does not fit.
+        ValueError: ``output_dir`` is, contains or lies inside ``model_dir`` (`vaswani_hf.checks.CheckError`), an
+            unknown quantization, no tokenizer and no ``vocabulary``, a vocabulary that does not fit.
         ImportError: ctranslate2 is not installed.
     """
+    from .checks import check_output_dir, check_output_not_in_inputs
+
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    # Replacing output_dir must never remove the model folder (a training run: checkpoints, metrics), force or not.
+    check_output_not_in_inputs(output_dir, [model_dir])
+    check_output_dir(output_dir)
     _import_ctranslate2()
     from transformers import AutoTokenizer
 
     from .modeling_vaswani import VaswaniForConditionalGeneration
 
-    model_dir, output_dir = Path(model_dir), Path(output_dir)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"Unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}.")
     if output_dir.exists() and not force:

@@ -448,8 +448,12 @@ class VaswaniPreTrainedModel(PreTrainedModel):
         `use_safetensors` defaults to True: a folder with only `pytorch_model.bin` (a pickle) is refused unless the
         caller passes `use_safetensors=False` on purpose.
 
+        Loading a local folder is strict: a weight the model needs that model.safetensors lacks (transformers would
+        initialize it at random and only log it) or a tensor in the file that the model has no place for is an error.
+
         Raises:
-            OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf.
+            OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf,
+                or model.safetensors lacks weights of the model or holds unexpected ones.
         """
         kwargs.setdefault("use_safetensors", True)
         legacy = None
@@ -468,6 +472,7 @@ class VaswaniPreTrainedModel(PreTrainedModel):
                 "again, or load another checkpoint."
             ) from error
         model = loaded[0] if isinstance(loaded, tuple) else loaded
+        _check_loaded_weight_names(model, pretrained_model_name_or_path, kwargs)
         for name, tensor in model.state_dict().items():
             if tensor.device.type != "meta" and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ValueError(
@@ -489,6 +494,7 @@ class VaswaniPreTrainedModel(PreTrainedModel):
                     "v_proj; save the model again to store the new names.")
         loaded = super().from_pretrained(None, *args, state_dict=state_dict, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
+        _check_loaded_weight_names(model, path, {**kwargs, **hub}, converted=set(state_dict))
         if hasattr(model, "generation_config"):
             try:
                 model.generation_config = GenerationConfig.from_pretrained(path, **hub)
@@ -578,6 +584,72 @@ def _read_fused_projection_checkpoint(path, kwargs: dict) -> dict[str, torch.Ten
         return split_fused_projections(load_file(file))
     except Exception:  # noqa: BLE001 - the normal loading path reports what is wrong with the file
         return None
+
+
+def _check_loaded_weight_names(model: nn.Module, name_or_path, kwargs: dict,
+                               converted: set[str] | None = None) -> None:
+    """Refuse a local folder whose safetensors weights lack a tensor of `model` or hold one it has no place for.
+
+    Tied parameters (the shared embedding, §3.4) are stored once, so a group of names that share one tensor needs any
+    one of its names in the file. Folders on the Hub, explicit `state_dict`s and key mappings are left to transformers.
+    """
+    import json
+    import os
+
+    if not isinstance(name_or_path, (str, os.PathLike)) or not os.path.isdir(name_or_path):
+        return
+    if any(kwargs.get(key) is not None for key in ("state_dict", "key_mapping", "gguf_file")):
+        return
+    if kwargs.get("use_safetensors") is False:
+        return
+    folder = os.path.join(name_or_path, kwargs.get("subfolder") or "")
+    single, index = os.path.join(folder, "model.safetensors"), os.path.join(folder, "model.safetensors.index.json")
+    if converted is not None:  # a checkpoint with fused projections, its names already converted
+        where, saved = single, set(converted)
+    elif os.path.isfile(single):
+        import struct
+
+        where = single
+        try:  # the header: an 8-byte little-endian length, then JSON naming every tensor
+            with open(single, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                saved = set(json.loads(handle.read(length))) - {"__metadata__"}
+        except (OSError, ValueError, struct.error) as error:
+            raise OSError(f"{single}: unreadable header ({error}); copy the weights again.") from None
+    elif os.path.isfile(index):
+        where = index
+        try:
+            with open(index, encoding="utf-8") as handle:
+                saved = set(json.load(handle)["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{index}: unreadable ({error}); copy the weights again.") from None
+    else:
+        return
+    state = model.state_dict()
+    prefix = f"{model.base_model_prefix}."
+    has_base = hasattr(model, model.base_model_prefix)
+    if not has_base and saved and all(name.startswith(prefix) for name in saved):
+        saved = {name[len(prefix):] for name in saved}  # a base model loaded from a folder with the LM head
+    elif has_base and saved and not any(name.startswith(prefix) for name in saved):
+        saved = {prefix + name for name in saved}  # the LM model loaded from a base model's folder
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.device.type)
+        groups.setdefault(key if tensor.device.type != "meta" else (name,), []).append(name)
+    missing = sorted(names[0] for names in groups.values() if not saved.intersection(names))
+    unexpected = sorted(saved - set(state))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} weight(s) of the model ({', '.join(missing[:5])}"
+                         f"{', ...' if len(missing) > 5 else ''})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected weight(s) ({', '.join(unexpected[:5])}"
+                         f"{', ...' if len(unexpected) > 5 else ''})")
+        raise ValueError(
+            f"{where}: {' and '.join(parts)}. The weights do not belong to this config.json (another model size, "
+            "an edited or damaged file); missing weights are not initialized at random. Copy the folder again, or "
+            "load it with the config it was saved with.")
 
 
 def _positional_encoding(config: VaswaniConfig) -> nn.Module:
@@ -953,6 +1025,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             ValueError: `num_beams` or `num_return_sequences` is not an integer >= 1 (transformers would fail with a
                 ZeroDivisionError or a negative tensor dimension).
         """
+        inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if torch.is_tensor(inputs) and (inputs.ndim != 2 or 0 in inputs.shape):
+            raise ValueError(f"generate(): input_ids must be a (batch, length) tensor with at least one sentence of at "
+                             f"least one token (the tokenizer ends each with </s>), got shape {tuple(inputs.shape)}.")
         config = kwargs.get("generation_config") or self.generation_config
         for name in ("num_beams", "num_return_sequences"):
             value = kwargs.get(name, getattr(config, name, None))
@@ -1160,6 +1236,15 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         divided by `num_items_in_batch` (default: the number of labels != -100 in `labels`).
         `logits` `(B, T, V)`, `labels` `(B, T)` -> scalar."""
         labels = labels.to(logits.device)
+        # Checked where it costs no device sync and no graph break (CPU tensors, eager); on a GPU an id outside the
+        # vocabulary stops the kernel with a device-side assert, never a silent result.
+        bad = None
+        if labels.device.type == "cpu" and not torch.compiler.is_compiling():
+            bad = labels.ne(-100) & (labels.lt(0) | labels.ge(logits.size(-1)))
+        if bad is not None and bool(bad.any()):
+            raise ValueError(f"labels hold token id {int(labels[bad][0])}, outside this model's target vocabulary of "
+                             f"{logits.size(-1)} entries (-100 marks positions without loss). The tokenizer does not "
+                             "match the model: use the tokenizer saved with it.")
         total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
                                 reduction="sum", label_smoothing=label_smoothing)
         if num_items_in_batch is None:

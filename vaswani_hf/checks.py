@@ -1,0 +1,301 @@
+"""Checks that every command runs before any long work: nothing it writes may destroy what it reads, every output can
+be written, a training folder has one run at a time, and a model folder is whole and self-consistent.
+
+Each check raises `CheckError` (a `ValueError`) whose message names the path at fault, what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CheckError", "RunLock", "check_model_folder", "check_output_dir", "check_output_file",
+           "check_output_not_in_inputs", "read_json", "safetensors_problem"]
+
+LOCK_NAME = ".vaswani.lock"
+
+
+class CheckError(ValueError):
+    """An input or output a command cannot use; the message names the path, what is wrong, and what to do."""
+
+
+def read_json(path: str | os.PathLike, *, what: str = "") -> Any:
+    """The parsed JSON of `path`, with an error naming the file (json's own names no file).
+
+    Raises:
+        CheckError: the file is missing, unreadable, not UTF-8, or not valid JSON (truncated, edited by hand).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckError(f"{path}: no such file{f' ({what})' if what else ''}.") from None
+    except UnicodeDecodeError as error:
+        raise CheckError(f"{path}: not UTF-8 text ({error}); the file is damaged. Copy or save it again.") from None
+    except OSError as error:
+        raise CheckError(f"{path}: cannot be read ({error.strerror or error}).") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CheckError(f"{path}: not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); the file "
+                         f"is truncated or damaged. Copy or save it again.") from None
+
+
+def _resolved(path: str | os.PathLike) -> Path:
+    return Path(os.path.abspath(os.path.realpath(os.fspath(path))))
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_output_not_in_inputs(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], *,
+                               output_flag: str = "--output_dir", input_flag: str = "--model_dir",
+                               allow_inside: bool = False) -> None:
+    """Refuse an output folder that is, contains or lies inside one of the `inputs` (replacing or filling it would
+    destroy what is read: checkpoints, metrics, translations). Symbolic links are followed.
+
+    `allow_inside`: an output inside an input folder is accepted (the training scripts' own `<output_dir>/hub`).
+
+    Raises:
+        CheckError: naming both paths and what to do.
+    """
+    out = _resolved(output)
+    for source in inputs:
+        if source is None:
+            continue
+        src = _resolved(source)
+        if out == src:
+            why = "is the same folder as"
+        elif _within(src, out):
+            why = "contains"
+        elif _within(out, src) and not allow_inside:
+            why = "lies inside"
+        else:
+            continue
+        raise CheckError(f"{output_flag} {output} {why} {input_flag} {source}: writing it would replace or mix with the "
+                         f"input (its weights, checkpoints, metrics and translations). Choose an output folder outside "
+                         f"{source}, e.g. {Path(source).resolve().parent / (Path(source).resolve().name + '-export')}.")
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_can_create_in(path: Path, flag: str) -> None:
+    parent = _nearest_existing(path.parent)
+    if not parent.is_dir():
+        raise CheckError(f"{flag} {path}: {parent} is a file, not a folder, so {path} cannot be created there.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckError(f"{flag} {path}: the folder {parent} is not writable; choose another place or fix its "
+                         f"permissions.")
+
+
+def check_output_file(path: str | os.PathLike, *, flag: str = "--output") -> None:
+    """Refuse, before any work, an output file that cannot be written: a folder, a read-only file, or a parent folder
+    that is missing-and-uncreatable or not writable. (Written files go to a temporary file beside it first, so the
+    folder must be writable too.)"""
+    path = Path(path)
+    if path.is_dir():
+        raise CheckError(f"{flag} {path} is a folder; give a file name (e.g. {path / 'out.txt'}).")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise CheckError(f"{flag} {path} is read-only; choose another file or make it writable.")
+    _check_can_create_in(path, flag)
+
+
+def check_output_dir(path: str | os.PathLike, *, flag: str = "--output_dir") -> None:
+    """Refuse, before any work, an output folder that cannot be written: a file, a read-only folder, or a parent
+    that is not writable."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckError(f"{flag} {path} is a file, not a folder; choose a folder name.")
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise CheckError(f"{flag} {path} is not writable; choose another folder or fix its permissions.")
+        return
+    _check_can_create_in(path, flag)
+
+
+class RunLock:
+    """An exclusive lock on `<folder>/.vaswani.lock` for as long as a run writes `folder`; a second run into the same
+    folder is refused at once instead of both overwriting each other's checkpoints and both exiting 0.
+
+    The lock is an `fcntl.flock` held by the open file, so the kernel releases it when the process ends, even after
+    SIGKILL; a stale lock file does not block the next run. Where `fcntl` does not exist (Windows) there is no lock.
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self._handle = None
+        self._created = False
+
+    def acquire(self) -> "RunLock":
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not on Linux/macOS
+            return self
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._created = not self.path.exists()
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip()
+            handle.close()
+            raise CheckError(f"{self.folder}: another run is writing this folder ({holder or 'process unknown'}; lock "
+                             f"{self.path}). Wait for it to finish, or choose another --output_dir.") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        self._handle = handle
+        return self
+
+    def release(self, *, remove: bool = False) -> None:
+        """Release the lock; `remove`: also delete the lock file if this lock created it (a run refused before it
+        wrote anything leaves the folder as it found it)."""
+        if self._handle is not None:
+            if remove and self._created:
+                self.path.unlink(missing_ok=True)
+            self._handle.close()  # closing the file releases the flock
+            self._handle = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a complete safetensors file (missing, truncated, bad header), or None if it is complete.
+
+    Reads only the header: an 8-byte little-endian length, a JSON header of that length mapping each tensor name to
+    `{"dtype", "shape", "data_offsets": [begin, end]}`, then the tensor bytes; the file must end where the last tensor
+    ends. A header of any other shape is reported, never a crash.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    if size < 8:
+        return f"{path.name} is truncated ({size} bytes)"
+    unreadable = f"{path.name} has an unreadable header (not a safetensors file, or corrupted)"
+    try:
+        with open(path, "rb") as handle:
+            (header_length,) = struct.unpack("<Q", handle.read(8))
+            if header_length > size - 8:
+                return f"{path.name} is truncated (header of {header_length} bytes, file of {size})"
+            header = json.loads(handle.read(header_length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, struct.error):
+        return unreadable
+    if not isinstance(header, dict):
+        return unreadable
+    end = 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool)
+                                                                          and o >= 0 for o in offsets)
+                or offsets[0] > offsets[1]):
+            return f"{unreadable}: tensor {key!r} has no valid data_offsets"
+        end = max(end, offsets[1])
+    if size != 8 + header_length + end:
+        return f"{path.name} is truncated or padded ({size} bytes, its header describes {8 + header_length + end})"
+    return None
+
+
+def weights_problems(folder: Path) -> list[str]:
+    """Problems of the safetensors weights of a model folder (one file, or shards listed by an index)."""
+    index = folder / "model.safetensors.index.json"
+    if not (folder / "model.safetensors").is_file() and index.is_file():
+        try:
+            shards = sorted(set(read_json(index)["weight_map"].values()))
+        except (CheckError, KeyError, TypeError, AttributeError):
+            return [f"{index.name} is unreadable"]
+        return [problem for shard in shards if (problem := safetensors_problem(folder / shard))]
+    problem = safetensors_problem(folder / "model.safetensors")
+    return [problem] if problem else []
+
+
+def check_model_folder(folder: str | os.PathLike, *, need_tokenizer: bool = True) -> None:
+    """The one check of a saved `vaswani` model folder that every command runs before loading it.
+
+    Checks, in order: the folder and its config.json exist; every `*.json` file in it parses (the error names the
+    file); config.json is a `vaswani` config whose every field is valid (`VaswaniConfig` validation, naming the file);
+    the weights are complete safetensors (never `pytorch_model.bin`); with `need_tokenizer`, tokenizer.json exists,
+    loads, has exactly `vocab_size` entries and the config's special token ids.
+
+    Raises:
+        CheckError: naming the file at fault, what is wrong and what to do.
+    """
+    from .configuration_vaswani import VaswaniConfig
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not folder.is_dir() or not config_path.is_file():
+        raise CheckError(f"{folder} is not a saved model folder (no config.json); pass the --output_dir of a training "
+                         f"run, one of its checkpoint-<step> folders, or an exported folder.")
+    parsed = {path.name: read_json(path) for path in sorted(folder.glob("*.json"))}
+    config = parsed["config.json"]
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "vaswani":
+        architectures = ", ".join(config.get("architectures") or []) if isinstance(config, dict) else ""
+        raise CheckError(
+            f"{config_path}: model_type is {model_type!r}{f' ({architectures})' if architectures else ''}, not "
+            f"'vaswani'. This command runs models trained by this project; load other models with their own classes.")
+    try:
+        vaswani_config = VaswaniConfig.from_dict(dict(config))
+    except ValueError as error:
+        raise CheckError(f"{config_path}: {str(error).removeprefix('config.json: ')}") from None
+    weights = weights_problems(folder)
+    if weights:
+        if not (folder / "model.safetensors").exists() and (folder / "pytorch_model.bin").exists():
+            raise CheckError(
+                f"{folder}: the weights are only in pytorch_model.bin, a pickle that can run code when loaded; this "
+                f"project reads weights from model.safetensors only. Re-save the model with save_pretrained() "
+                f"(safetensors is the default) from a trusted session.")
+        raise CheckError(f"{folder}: the weights cannot be used ({'; '.join(weights)}). The save did not finish or "
+                         f"the file was damaged; copy it again or use another checkpoint.")
+    if need_tokenizer:
+        check_tokenizer_matches(folder, vaswani_config)
+
+
+def check_tokenizer_matches(folder: str | os.PathLike, config) -> None:
+    """Refuse a tokenizer whose size or special token ids differ from the model's config: it would translate garbage
+    without a word (every id means another token).
+
+    Raises:
+        CheckError: no tokenizer.json, one that does not load, or one that does not match `config`.
+    """
+    folder = Path(folder)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise CheckError(f"{folder}: no tokenizer.json beside the model. Save the tokenizer with the model "
+                         f"(tokenizer.save_pretrained(folder)); training/train.py does so in --output_dir.")
+    read_json(path)
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # tokenizers raises a bare Exception for a malformed model section
+        raise CheckError(f"{path}: the tokenizer cannot be loaded ({type(error).__name__}: {error}); the file is "
+                         f"damaged. Copy it again with the model, or save the tokenizer beside it again.") from None
+    if len(tokenizer) != config.vocab_size:
+        raise CheckError(f"{path}: the tokenizer has {len(tokenizer)} entries but the model's vocabulary "
+                         f"(config.json vocab_size) has {config.vocab_size}: this tokenizer does not belong to this "
+                         f"model. Put the tokenizer saved with the model beside it.")
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ours, theirs = getattr(config, name), getattr(tokenizer, name, None)
+        if theirs is not None and ours is not None and ours != theirs:
+            raise CheckError(f"{path}: the tokenizer's {name} is {theirs} but config.json says {ours}: this tokenizer "
+                             f"does not belong to this model. Put the tokenizer saved with the model beside it.")
