@@ -216,6 +216,15 @@ def test_plain_generate_calls_do_not_warn():
     model = make_tiny_model()
     ids, mask = padded_batch(length=9)
     assert model.generation_config.max_length == 256  # the bound of calls that give no length
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_warning()  # another test (the benchmark's import) may have silenced transformers
+    try:
+        _generate_and_capture(model, ids, mask, CaptureLogger, logging)
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def _generate_and_capture(model, ids, mask, CaptureLogger, logging):
     with CaptureLogger(logging.get_logger("transformers.generation.utils")) as captured:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
