@@ -144,3 +144,32 @@ def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
     assert abs(smoothed.item() - plain.item()) > 1e-3
     torch.testing.assert_close(training_loss, smoothed)
     torch.testing.assert_close(eval_loss, plain)
+
+
+def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
+    """§5.3's Adam(0.9, 0.98, 1e-9), as one fused kernel on the CPU; its updates equal the foreach Adam's."""
+    from transformers import Seq2SeqTrainingArguments
+
+    from conftest import make_tiny_model
+    from training.train import PaperTrainer
+    from vaswani_hf.schedule import paper_adam
+
+    model = make_tiny_model(dropout=0.0)
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = PaperTrainer(model=model, args=args, max_tokens=64, d_model=32, warmup=10, lr_factor=1.0)
+    optimizer = trainer.create_optimizer()
+    group = optimizer.param_groups[0]
+    assert group["fused"] is True and group["betas"] == (0.9, 0.98) and group["eps"] == 1e-9
+    reference_model = make_tiny_model(dropout=0.0)
+    reference_model.load_state_dict(model.state_dict())
+    reference = paper_adam(reference_model.parameters(), lr=1e-3, foreach=True)
+    for g in optimizer.param_groups:
+        g["lr"] = 1e-3
+    for _ in range(3):
+        for m, opt in ((model, optimizer), (reference_model, reference)):
+            loss = sum((p.float() ** 2).sum() for p in m.parameters())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, a), b in zip(model.state_dict().items(), reference_model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
