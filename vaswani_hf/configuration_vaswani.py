@@ -24,7 +24,7 @@ _FIELDS = ("vocab_size", "target_vocab_size", "d_model", "encoder_layers", "deco
            "position_embedding_type", "max_position_embeddings", "share_encoder_decoder_embeddings",
            "tie_word_embeddings", "scale_embedding", "label_smoothing", "layer_norm_eps", "use_cache", "pad_token_id",
            "bos_token_id", "eos_token_id", "decoder_start_token_id")
-# Written into every saved config.json: with the two code files saved beside it, a folder loads through these Auto
+# Written into every saved config.json: with the three code files saved beside it, a folder loads through these Auto
 # classes with `trust_remote_code=True` where this package is not installed.
 AUTO_MAP = {
     "AutoConfig": "configuration_vaswani.VaswaniConfig",
