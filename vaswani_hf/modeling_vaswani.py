@@ -438,6 +438,23 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _can_compile_fullgraph = True
 
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """transformers' step before initializing the weights a checkpoint lacks: it flags every tied parameter as
+        initialized. Our embeddings are tied by sharing one module (§3.4), so `encoder.embed_tokens.weight` *is*
+        `shared.weight`, and flagging it would flag the source as well: a checkpoint without the embedding would leave
+        it uninitialized on the meta device and not report it missing. Parameters that are their own source are
+        skipped here; the rest is transformers' step."""
+        tied = getattr(self, "all_tied_weights_keys", {}) or {}
+        sources = {id(self.get_parameter(source)) for source in set(tied.values())}
+        for target in tied:
+            parameter = self.get_parameter(target)
+            if id(parameter) not in sources:
+                parameter._is_hf_initialized = True
+        if self.is_custom_code():  # as transformers: module-tied names whose module was loaded are not missing
+            loading_info.missing_keys = {
+                key for key in loading_info.missing_keys
+                if key in tied or not getattr(self.get_parameter_or_buffer(key), "_is_hf_initialized", False)}
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, reading weights from safetensors only and refusing weights that cannot be
@@ -449,7 +466,8 @@ class VaswaniPreTrainedModel(PreTrainedModel):
         caller passes `use_safetensors=False` on purpose.
 
         Loading a local folder is strict: a weight the model needs that model.safetensors lacks (transformers would
-        initialize it at random and only log it) or a tensor in the file that the model has no place for is an error.
+        initialize it at random and only log it) or a tensor in the file that the model has no place for is an error,
+        unless the caller passes `output_loading_info=True` and so receives the missing and unexpected names to check.
 
         Raises:
             OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf,
@@ -472,7 +490,8 @@ class VaswaniPreTrainedModel(PreTrainedModel):
                 "again, or load another checkpoint."
             ) from error
         model = loaded[0] if isinstance(loaded, tuple) else loaded
-        _check_loaded_weight_names(model, pretrained_model_name_or_path, kwargs)
+        if not kwargs.get("output_loading_info"):
+            _check_loaded_weight_names(model, pretrained_model_name_or_path, kwargs)
         for name, tensor in model.state_dict().items():
             if tensor.device.type != "meta" and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ValueError(
