@@ -60,11 +60,12 @@ def _build_package(tests_dir: Path, target: Path) -> None:
     """Copy `tests_dir`'s top-level test modules into package `target`, with stand-ins for missing submodules."""
     staging = Path(tempfile.mkdtemp(dir=target.parent))
     try:
-        if (tests_dir / "__init__.py").exists() or any(tests_dir.glob("*/__init__.py")):
-            shutil.copytree(tests_dir, staging, dirs_exist_ok=True)
-        else:
-            for module in tests_dir.glob("*.py"):
-                shutil.copy2(module, staging / module.name)
+        for module in tests_dir.glob("*.py"):
+            shutil.copy2(module, staging / module.name)
+        for package in {relative.split("/")[0] for relative in STAND_INS}:  # what a source checkout has of them
+            if (tests_dir / package).is_dir():
+                shutil.copytree(tests_dir / package, staging / package, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("__pycache__"))
         (staging / "__init__.py").touch()
         for relative, text in STAND_INS.items():
             path = staging / relative
