@@ -3,7 +3,8 @@
 - `CPUDropout`: dropout with a cheaper random mask (§5.4's dropout, same distribution, scale and gradient);
 - `half_precision_cpu_attention_forward`: Eq. 1 for bf16/fp16 on a CPU, scores in fp32;
 - `VaswaniLinear`: `nn.Linear` that multiplies with oneDNN-packed weights during CPU inference, and
-  `packed_cpu_linears`, the context that packs them (with the stacked q|k|v input projections) for `generate()`;
+  `packed_cpu_linears`, the context that packs them (with the stacked q|k|v input projections) for `generate()`,
+  keeping the packed copies for the next call while the weights stay unchanged;
 - `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer.
 
 Like `modeling_vaswani.py`, it imports only torch and transformers: transformers copies it beside the model code
@@ -206,6 +207,19 @@ class VaswaniSelfAttentionCache(DynamicCache):
         self.layer_class_to_replicate = functools.partial(VaswaniSelfAttentionCacheLayer, capacity)
 
 
+def _packing_key(linears: list, fused: dict) -> tuple:
+    """What packed weights depend on: each weight and bias (identity, storage and version counter, which every
+    in-place update such as an optimizer step or `load_state_dict` advances) and which projections are stacked."""
+
+    def state(tensor):
+        return None if tensor is None else (id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape))
+
+    parts = [(id(module), state(module.weight), state(module.bias)) for module in linears]
+    for attention, group in fused.items():
+        parts.append((id(attention),) + tuple((id(p), state(p.weight), state(p.bias)) for p in group))
+    return tuple(parts)
+
+
 @contextlib.contextmanager
 def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection_class: type):
     """The body of `VaswaniForConditionalGeneration.cpu_packed_linears` (see there); `attention_class` and
@@ -227,20 +241,29 @@ def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection
                 fused[module] = group
     covered = {id(projection) for group in fused.values() for projection in group}
     linears = [module for module in linears if id(module) not in covered]
-    try:
-        with torch.no_grad():
-            stacked = {}
-            for attention, group in fused.items():
-                linear = VaswaniLinear(model.config.d_model, len(group) * model.config.d_model, device="meta")
-                linear.weight = nn.Parameter(torch.cat([p.weight.detach() for p in group]), requires_grad=False)
-                linear.bias = nn.Parameter(torch.cat([p.bias.detach() for p in group]), requires_grad=False)
-                stacked[attention] = linear
-            linears += list(stacked.values())
-            packed = [torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64) for module in linears]
-    except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
-        logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
-        yield False
-        return
+    key = _packing_key(linears, fused)
+    keep = getattr(model, "keep_packed_cpu_linears", False)
+    kept = model.__dict__.get("_packed_cpu_linears") if keep else model.__dict__.pop("_packed_cpu_linears", None)
+    if keep and kept is not None and kept[0] == key:  # the same weights, unchanged since they were packed
+        linears, packed, stacked = list(kept[1]), list(kept[2]), dict(kept[3])
+    else:
+        model.__dict__.pop("_packed_cpu_linears", None)
+        try:
+            with torch.no_grad():
+                stacked = {}
+                for attention, group in fused.items():
+                    linear = VaswaniLinear(model.config.d_model, len(group) * model.config.d_model, device="meta")
+                    linear.weight = nn.Parameter(torch.cat([p.weight.detach() for p in group]), requires_grad=False)
+                    linear.bias = nn.Parameter(torch.cat([p.bias.detach() for p in group]), requires_grad=False)
+                    stacked[attention] = linear
+                linears += list(stacked.values())
+                packed = [torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64) for module in linears]
+        except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
+            logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
+            yield False
+            return
+        if keep:
+            model.__dict__["_packed_cpu_linears"] = (key, tuple(linears), tuple(packed), dict(stacked))
     for module, weight in zip(linears, packed, strict=True):
         module.packed_weight = weight
     for attention, linear in stacked.items():

@@ -1002,6 +1002,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     """
 
     use_cpu_packed_linears: bool = True  # see cpu_packed_linears()
+    keep_packed_cpu_linears: bool = True  # see cpu_packed_linears()
 
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
@@ -1096,8 +1097,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         `VaswaniLinear`), if the model is an fp32 model on a CPU, torch has oneDNN, autocast is off and
         `use_cpu_packed_linears` is True (the class attribute; set it to False to turn the path off). `generate()`
         runs inside it. Packing copies every linear weight once (about 70 ms and as much memory again as the linear
-        weights, base size); the copies are dropped on exit, so weights changed between calls are always seen.
-        Nested uses keep the outer packing. Yields whether the weights are packed.
+        weights, base size). The packed copies are kept for the next use while every weight is unchanged (the same
+        tensor, storage and version counter: an optimizer step, `load_state_dict` or any in-place change makes them
+        be packed again), so repeated `generate()` calls pack once; `keep_packed_cpu_linears = False` (the class
+        attribute) drops them on exit instead. Nested uses keep the outer packing. Yields whether the weights are
+        packed.
 
         The input projections that read one input are also stacked into one packed matrix per attention
         (`VaswaniAttention.fused_inputs`: q|k|v, or k|v in encoder-decoder attention), when they are plain
