@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -169,6 +169,16 @@ class VaswaniSelfAttentionCacheLayer(DynamicLayer):
         self._buffer, self._spare = self._spare, self._buffer
         self._set_views()
 
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        """Keep rows `rows` (in that order; fewer than now): beam search dropping finished sentences."""
+        if not self.length:
+            return
+        batch, _, heads, capacity, head_dim = self._buffer.shape
+        buffer = self._buffer.new_empty(len(rows), 2, heads, capacity, head_dim)
+        torch.index_select(self._buffer[:, :, :, : self.length], 0, rows.to(self._buffer.device),
+                           out=buffer[:, :, :, : self.length])
+        self._replace(buffer)
+
     def get_seq_length(self) -> int:
         return self.length
 
@@ -275,3 +285,89 @@ def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection
             module.packed_weight = None
         for attention in stacked:
             attention.__dict__.pop("fused_inputs", None)
+
+
+# Beam search without the sentences it has finished ---------------------------------------------------------------------
+
+
+class FinishedSentenceSkipping:
+    """Beam search state that lets decoding steps leave out the sentences beam search has finished.
+
+    transformers' beam search keeps every sentence of the batch in every step until the last one is done; the steps of
+    a finished sentence change nothing it returns (with `early_stopping=True`, or once no hypothesis can improve on
+    its finished ones, every new candidate of the sentence is scored -1e9 below its finished hypotheses). So after the
+    step in which a sentence finishes, its rows leave the decoder's batch, as CTranslate2 does: the self-attention
+    cache keeps only the rows of the open sentences (the beam reorder gathers exactly those), the encoder-decoder
+    cache, encoder output and source mask only their sentences, and the finished rows' logits are zeros (finite; never
+    used). Used only where nothing of a finished sentence's later steps is returned: no scores, logits, attentions or
+    hidden states asked for, no sampling, our self-attention cache.
+
+    Args:
+        batch: sentences; beams: rows per sentence.
+    """
+
+    def __init__(self, batch: int, beams: int, device: torch.device):
+        self.batch, self.beams, self.device = batch, beams, device
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # finished, as of the last step
+        self.sentences: torch.LongTensor | None = None  # open sentences in the decoder's batch (None: all)
+        self.rows: torch.LongTensor | None = None  # their rows among the batch * beams of beam search
+        self._encoder: tuple | None = None  # (encoder states, source mask) of the open sentences
+
+    def note_finished(self, is_sent_finished: torch.Tensor, early_stopping, no_improvement: torch.Tensor) -> None:
+        """After a step: a sentence whose `num_beams` hypotheses are finished, with `early_stopping=True` or no
+        improvement possible, is done."""
+        full = is_sent_finished.all(dim=-1)
+        if early_stopping is not True:
+            full = full & no_improvement.reshape(-1)
+        self.done |= full
+
+    def reorder(self, cache, beam_idx: torch.LongTensor) -> bool:
+        """Beam search's cache reorder, dropping the rows of sentences done since the last step. Returns False when
+        nothing was dropped yet (the caller then reorders as usual)."""
+        open_now = (~self.done).nonzero().flatten()
+        if self.sentences is None and len(open_now) == self.batch:
+            return False
+        if len(open_now) == 0:  # the loop ends after this step; keep the last layout
+            open_now = self.sentences if self.sentences is not None else torch.arange(self.batch, device=self.device)
+        full = self.batch * self.beams
+        old_rows = self.rows if self.rows is not None else torch.arange(full, device=self.device)
+        old_sentences = self.sentences if self.sentences is not None else torch.arange(self.batch, device=self.device)
+        new_rows = (open_now[:, None] * self.beams + torch.arange(self.beams, device=self.device)).flatten()
+        position = torch.full((full,), -1, dtype=torch.long, device=self.device)
+        position[old_rows] = torch.arange(len(old_rows), device=self.device)
+        sources = position[beam_idx.to(self.device)[new_rows]]  # beams stay within their (open) sentence
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        if len(new_rows) == len(old_rows):
+            self_cache.reorder_cache(sources)
+        else:
+            for layer in self_cache.layers:
+                layer.select_rows(sources)
+            if isinstance(cache, EncoderDecoderCache):
+                sentence_position = torch.full((self.batch,), -1, dtype=torch.long, device=self.device)
+                sentence_position[old_sentences] = torch.arange(len(old_sentences), device=self.device)
+                kept = sentence_position[open_now]
+                for layer in cache.cross_attention_cache.layers:
+                    if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                        layer.keys = layer.keys.index_select(0, kept)
+                        layer.values = layer.values.index_select(0, kept)
+            self._encoder = None
+        self.sentences, self.rows = open_now, new_rows
+        return True
+
+    def compact_inputs(self, decoder_input_ids, attention_mask, encoder_outputs):
+        """The open sentences' part of a decoding step's inputs (full batch -> open rows)."""
+        if self._encoder is None:
+            states = encoder_outputs[0] if encoder_outputs is not None else None
+            self._encoder = (
+                states.index_select(0, self.sentences) if states is not None else None,
+                attention_mask.index_select(0, self.sentences) if attention_mask is not None else None)
+        states, mask = self._encoder
+        if encoder_outputs is not None:
+            encoder_outputs = type(encoder_outputs)(last_hidden_state=states) if hasattr(
+                encoder_outputs, "last_hidden_state") else (states,)
+        return decoder_input_ids.index_select(0, self.rows), mask, encoder_outputs
+
+    def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`(open rows, T, V)` -> `(batch * beams, T, V)`, zeros in the rows of finished sentences."""
+        full = logits.new_zeros(self.batch * self.beams, *logits.shape[1:])
+        return full.index_copy_(0, self.rows, logits)

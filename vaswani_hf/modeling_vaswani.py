@@ -37,11 +37,11 @@ from transformers.utils import logging
 
 try:
     from .configuration_vaswani import VaswaniConfig
-    from .kernels_vaswani import (CPUDropout, VaswaniLinear, VaswaniSelfAttentionCache,
+    from .kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, VaswaniLinear, VaswaniSelfAttentionCache,
                                   half_precision_cpu_attention_forward, packed_cpu_linears)
 except ImportError:  # loaded as a standalone file
     from configuration_vaswani import VaswaniConfig
-    from kernels_vaswani import (CPUDropout, VaswaniLinear, VaswaniSelfAttentionCache,
+    from kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, VaswaniLinear, VaswaniSelfAttentionCache,
                                  half_precision_cpu_attention_forward, packed_cpu_linears)
 
 logger = logging.get_logger(__name__)
@@ -1003,6 +1003,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
 
     use_cpu_packed_linears: bool = True  # see cpu_packed_linears()
     keep_packed_cpu_linears: bool = True  # see cpu_packed_linears()
+    skip_finished_sentences: bool = True  # see _beam_search()
 
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
@@ -1143,6 +1144,41 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             model_kwargs["past_key_values"] = EncoderDecoderCache(
                 VaswaniSelfAttentionCache(capacity if isinstance(capacity, int) else 0), cache.cross_attention_cache)
 
+    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                     **model_kwargs):
+        """transformers' beam search. Where only the sequences are returned (no `return_dict_in_generate`, so no
+        scores, attentions or cache either) and beams are not sampled, the decoding steps leave the sentences that beam
+        search has finished out of the batch (`FinishedSentenceSkipping`): the same sequences, computed for the open
+        sentences only. `skip_finished_sentences = False` (the class attribute) turns that off."""
+        cache = model_kwargs.get("past_key_values")
+        encoder_outputs = model_kwargs.get("encoder_outputs")
+        states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
+        beams = generation_config.num_beams or 1
+        eligible = (self.skip_finished_sentences and not synced_gpus and not generation_config.do_sample
+                    and not any(getattr(generation_config, name, False) for name in
+                                ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                                 "output_hidden_states"))
+                    and isinstance(cache, EncoderDecoderCache)
+                    and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
+                    and torch.is_tensor(states) and states.shape[0] > 1 and beams > 1
+                    and input_ids.shape[0] == states.shape[0] * beams)
+        self.__dict__["_finished_sentences"] = (
+            FinishedSentenceSkipping(states.shape[0], beams, input_ids.device) if eligible else None)
+        try:
+            return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
+                                        synced_gpus, **model_kwargs)
+        finally:
+            self.__dict__.pop("_finished_sentences", None)
+
+    def _update_finished_beams(self, *args, **kwargs):
+        """transformers' update of the finished hypotheses, noting which sentences are done."""
+        results = super()._update_finished_beams(*args, **kwargs)
+        skipping = self.__dict__.get("_finished_sentences")
+        if skipping is not None:
+            skipping.note_finished(results[3], kwargs.get("early_stopping"),
+                                   ~kwargs["is_early_stop_heuristic_unsatisfied"])
+        return results
+
     def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
         """Beam search's hook to follow the surviving beams (`generate()` calls it after every step).
 
@@ -1151,6 +1187,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         would gather it too, failing on its rows, or, with one row per beam, copying
         `decoder_layers x 2 x (B * beams, H, S, Dh)` floats per step for nothing.
         """
+        skipping = self.__dict__.get("_finished_sentences")
+        if skipping is not None and skipping.reorder(past_key_values, beam_idx):
+            return past_key_values
         if isinstance(past_key_values, EncoderDecoderCache):
             past_key_values.self_attention_cache.reorder_cache(beam_idx)
         else:
@@ -1219,6 +1258,13 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id,
                                                        self.config.decoder_start_token_id)
+        skipping = self.__dict__.get("_finished_sentences")
+        if (skipping is None or skipping.rows is None or labels is not None or decoder_input_ids is None
+                or decoder_attention_mask is not None or decoder_input_ids.shape[0] != skipping.batch * skipping.beams):
+            skipping = None  # beam search leaves finished sentences out only in its decoding steps (see there)
+        else:
+            decoder_input_ids, attention_mask, encoder_outputs = skipping.compact_inputs(
+                decoder_input_ids, attention_mask, encoder_outputs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1237,6 +1283,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             hidden_states = hidden_states[:, kept]
         logits = self.lm_head(hidden_states)  # (B, T, V)
+        if skipping is not None:
+            logits = skipping.expand_logits(logits)
         loss = None
         if labels is not None:
             loss = self.loss(logits, labels, num_items_in_batch, label_smoothing=label_smoothing or 0.0)
