@@ -173,11 +173,14 @@ class VaswaniSelfAttentionCacheLayer(DynamicLayer):
         """Keep rows `rows` (in that order; fewer than now): beam search dropping finished sentences."""
         if not self.length:
             return
-        batch, _, heads, capacity, head_dim = self._buffer.shape
-        buffer = self._buffer.new_empty(len(rows), 2, heads, capacity, head_dim)
-        torch.index_select(self._buffer[:, :, :, : self.length], 0, rows.to(self._buffer.device),
-                           out=buffer[:, :, :, : self.length])
-        self._replace(buffer)
+        if self._spare is None:
+            self._spare = torch.empty_like(self._buffer)
+        count, filled = len(rows), slice(0, self.length)
+        # the leading rows of both buffers, which stay allocated: no fresh memory to fault in at every shrink
+        torch.index_select(self._buffer[:, :, :, filled], 0, rows.to(self._buffer.device),
+                           out=self._spare[:count, :, :, filled])
+        self._buffer, self._spare = self._spare[:count], self._buffer[:count]
+        self._set_views()
 
     def get_seq_length(self) -> int:
         return self.length
