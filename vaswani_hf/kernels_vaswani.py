@@ -314,6 +314,7 @@ class FinishedSentenceSkipping:
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # finished, as of the last step
         self.sentences: torch.LongTensor | None = None  # open sentences in the decoder's batch (None: all)
         self.rows: torch.LongTensor | None = None  # their rows among the batch * beams of beam search
+        self.closed_rows: torch.LongTensor | None = None  # the other rows
         self._encoder: tuple | None = None  # (encoder states, source mask) of the open sentences
 
     def note_finished(self, is_sent_finished: torch.Tensor, early_stopping, no_improvement: torch.Tensor) -> None:
@@ -355,6 +356,9 @@ class FinishedSentenceSkipping:
                         layer.values = layer.values.index_select(0, kept)
             self._encoder = None
         self.sentences, self.rows = open_now, new_rows
+        closed = torch.ones(full, dtype=torch.bool, device=self.device)
+        closed[new_rows] = False
+        self.closed_rows = closed.nonzero().flatten()
         return True
 
     def compact_inputs(self, decoder_input_ids, attention_mask, encoder_outputs):
@@ -372,5 +376,5 @@ class FinishedSentenceSkipping:
 
     def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """`(open rows, T, V)` -> `(batch * beams, T, V)`, zeros in the rows of finished sentences."""
-        full = logits.new_zeros(self.batch * self.beams, *logits.shape[1:])
-        return full.index_copy_(0, self.rows, logits)
+        full = logits.new_empty(self.batch * self.beams, *logits.shape[1:])
+        return full.index_copy_(0, self.rows, logits).index_fill_(0, self.closed_rows, 0.0)
