@@ -211,8 +211,9 @@ def test_torch_compile_decoding_matches_eager():
     dict(num_beams=4, early_stopping="never", length_penalty=0.6),
 ])
 def test_beam_search_leaves_finished_sentences_out_and_returns_the_same(kwargs):
-    """After the step in which a sentence is finished, decoding steps run on the open sentences' rows only, and
-    generate() returns exactly what it returns when every step runs on the whole batch."""
+    """The first decoding step runs once per sentence, and after the step in which a sentence is finished, decoding
+    steps run on the open sentences' rows only; generate() returns exactly what it returns when every step runs on
+    the whole batch."""
     from _copy_task import sources, trained_copy_model
 
     model = trained_copy_model(steps=40)
@@ -227,8 +228,9 @@ def test_beam_search_leaves_finished_sentences_out_and_returns_the_same(kwargs):
     everything = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **kwargs)
     assert torch.equal(skipped, everything)
     full = ids.shape[0] * kwargs["num_beams"]
-    assert rows[0] == full and min(rows) < full  # the batch shrank as sentences finished
-    assert all(r % kwargs["num_beams"] == 0 for r in rows) and rows == sorted(rows, reverse=True)
+    assert rows[0] == ids.shape[0]  # the first step: one row per sentence (all its beams hold the start token)
+    assert rows[1] == full and min(rows[1:]) < full  # then every beam, and fewer as sentences finished
+    assert all(r % kwargs["num_beams"] == 0 for r in rows[1:]) and rows[1:] == sorted(rows[1:], reverse=True)
     with_scores = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True,
                                  output_scores=True, **kwargs)
     assert torch.equal(with_scores.sequences, everything)  # returning scores: every step on the whole batch

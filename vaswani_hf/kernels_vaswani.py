@@ -302,7 +302,8 @@ class FinishedSentenceSkipping:
     step in which a sentence finishes, its rows leave the decoder's batch, as CTranslate2 does: the self-attention
     cache keeps only the rows of the open sentences (the beam reorder gathers exactly those), the encoder-decoder
     cache, encoder output and source mask only their sentences, and the finished rows' logits are zeros (finite; never
-    used). Used only where nothing of a finished sentence's later steps is returned: no scores, logits, attentions or
+    used). The first step, where the beams of a sentence hold the same start token, runs once per sentence (as
+    CTranslate2 does) and its cache and logits are repeated for the beams. Used only where nothing of a finished sentence's later steps is returned: no scores, logits, attentions or
     hidden states asked for, no sampling, our self-attention cache.
 
     Args:
@@ -360,6 +361,23 @@ class FinishedSentenceSkipping:
         closed[new_rows] = False
         self.closed_rows = closed.nonzero().flatten()
         return True
+
+    def first_step_rows(self, decoder_input_ids: torch.LongTensor, cache) -> bool:
+        """Whether this is beam search's first step with the same decoder input in all beams of each sentence (as
+        `generate()` expands it): then one row per sentence computes what all of its beams would."""
+        if self.rows is not None or cache is None or cache.get_seq_length() != 0:
+            return False
+        if decoder_input_ids.shape[0] != self.batch * self.beams:
+            return False
+        grouped = decoder_input_ids.view(self.batch, self.beams, -1)
+        return bool(grouped.eq(grouped[:, :1]).all())
+
+    def expand_first_step(self, cache, logits: torch.Tensor) -> torch.Tensor:
+        """After a first step on one row per sentence: every beam's row gets its sentence's cache and logits."""
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        for layer in self_cache.layers:
+            layer.batch_repeat_interleave(self.beams)
+        return logits.repeat_interleave(self.beams, dim=0)
 
     def compact_inputs(self, decoder_input_ids, attention_mask, encoder_outputs):
         """The open sentences' part of a decoding step's inputs (full batch -> open rows)."""

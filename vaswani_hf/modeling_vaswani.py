@@ -1259,12 +1259,18 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
                 decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id,
                                                        self.config.decoder_start_token_id)
         skipping = self.__dict__.get("_finished_sentences")
-        if (skipping is None or skipping.rows is None or labels is not None or decoder_input_ids is None
-                or decoder_attention_mask is not None or decoder_input_ids.shape[0] != skipping.batch * skipping.beams):
-            skipping = None  # beam search leaves finished sentences out only in its decoding steps (see there)
-        else:
+        first_step = False
+        if (skipping is None or labels is not None or decoder_input_ids is None or decoder_attention_mask is not None
+                or decoder_input_ids.shape[0] != skipping.batch * skipping.beams):
+            skipping = None  # only beam search's decoding steps run on fewer rows (see `_beam_search`)
+        elif skipping.rows is not None:
             decoder_input_ids, attention_mask, encoder_outputs = skipping.compact_inputs(
                 decoder_input_ids, attention_mask, encoder_outputs)
+        elif skipping.first_step_rows(decoder_input_ids, past_key_values):
+            first_step = True
+            decoder_input_ids = decoder_input_ids[:: skipping.beams]
+        else:
+            skipping = None
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1283,7 +1289,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             hidden_states = hidden_states[:, kept]
         logits = self.lm_head(hidden_states)  # (B, T, V)
-        if skipping is not None:
+        if first_step:
+            logits = skipping.expand_first_step(past_key_values, logits)
+        elif skipping is not None:
             logits = skipping.expand_logits(logits)
         loss = None
         if labels is not None:
