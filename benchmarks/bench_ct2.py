@@ -206,12 +206,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's).")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="Tiny random model, few sentences: runs in seconds.")
+    parser.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                        help="keep (default): glibc's malloc keeps freed memory for reuse in this process "
+                             "(training.common.keep_freed_memory, as vaswani-train does), so that generate()'s per-step "
+                             "logits are not page-faulted in "
+                             "again; CTranslate2 has its own caching allocator. default: glibc's defaults.")
     parser.add_argument("--output", help="Also write the results as JSON here.")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    kept = False
+    if args.malloc == "keep":
+        from training.common import keep_freed_memory
+
+        kept = keep_freed_memory()
     if args.quick:
         args.preset, args.vocab_size, args.sentences, args.src_len, args.new_tokens = "tiny", 200, 8, 8, 10
         args.repetitions = min(args.repetitions, 2)
@@ -232,7 +242,9 @@ def main(argv=None) -> dict:
                                                               **PRESETS[args.preset]))
         inputs = _random_inputs(args.sentences, args.src_len, args.vocab_size)
         results = bench_ct2(model, inputs=inputs, new_tokens=args.new_tokens, **common)
+    results["malloc_keeps_freed_memory"] = kept
     print_report(results)
+    print(f"glibc malloc keeps freed memory: {'yes' if kept else 'no'} (--malloc {args.malloc})")
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return results

@@ -112,3 +112,11 @@ def tiny_tokenizer(parallel_text):
     """A joint BPE learned from the 20 German and 20 English sentences above (a few hundred tokens)."""
     german, english = parallel_text
     return train_joint_bpe([german, english], vocab_size=420, min_frequency=1)
+
+
+def pytest_configure(config):
+    # Marks of transformers' common test mixins (tests/test_transformers_common.py), registered as transformers'
+    # own conftest does, so that pytest does not warn about them.
+    for mark in ("slow", "accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test",
+                 "torch_compile_test"):
+        config.addinivalue_line("markers", f"{mark}: a mark of transformers' common tests")

@@ -202,3 +202,35 @@ def test_torch_compile_decoding_matches_eager():
     model.forward = torch.compile(model.forward)
     out = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=4)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_beams=4, early_stopping=True),
+    dict(num_beams=4, early_stopping=True, num_return_sequences=3),
+    dict(num_beams=3, early_stopping=False, length_penalty=0.0),
+    dict(num_beams=4, early_stopping="never", length_penalty=0.6),
+])
+def test_beam_search_leaves_finished_sentences_out_and_returns_the_same(kwargs):
+    """The first decoding step runs once per sentence, and after the step in which a sentence is finished, decoding
+    steps run on the open sentences' rows only; generate() returns exactly what it returns when every step runs on
+    the whole batch."""
+    from _copy_task import sources, trained_copy_model
+
+    model = trained_copy_model(steps=40)
+    ids, mask = sources(seed=3, batch=12, min_len=1, max_len=9)  # outputs of 2 to 10 tokens
+    rows = []
+    hook = model.model.decoder.register_forward_pre_hook(
+        lambda module, args, kw: rows.append((kw.get("input_ids") if kw.get("input_ids") is not None
+                                              else args[0]).shape[0]), with_kwargs=True)
+    skipped = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **kwargs)
+    hook.remove()
+    model.skip_finished_sentences = False
+    everything = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **kwargs)
+    assert torch.equal(skipped, everything)
+    full = ids.shape[0] * kwargs["num_beams"]
+    assert rows[0] == ids.shape[0]  # the first step: one row per sentence (all its beams hold the start token)
+    assert rows[1] == full and min(rows[1:]) < full  # then every beam, and fewer as sentences finished
+    assert all(r % kwargs["num_beams"] == 0 for r in rows[1:]) and rows[1:] == sorted(rows[1:], reverse=True)
+    with_scores = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True,
+                                 output_scores=True, **kwargs)
+    assert torch.equal(with_scores.sequences, everything)  # returning scores: every step on the whole batch

@@ -294,6 +294,7 @@ def test_constructing_a_config_checks_types_and_ranges():
         VaswaniConfig(normalize_before="yes")
     with pytest.raises(ValueError, match="layer_norm_eps"):
         VaswaniConfig(layer_norm_eps=float("nan"))
+    assert VaswaniConfig(layer_norm_eps=1.0).layer_norm_eps == 1.0  # transformers' common tests use 1.0
     with pytest.raises(ValueError, match=r"bos_token_id must be a token id in \[0, 10\)"):
         VaswaniConfig(vocab_size=10, bos_token_id=10)
 
@@ -326,6 +327,26 @@ def test_missing_or_unexpected_weights_are_refused_naming_the_file(tmp_path, cls
         cls.from_pretrained(tmp_path)
     save_file(weights, path, metadata={"format": "pt"})
     assert isinstance(cls.from_pretrained(tmp_path), cls)
+
+
+@pytest.mark.parametrize("cls", [VaswaniForConditionalGeneration, VaswaniModel])
+def test_output_loading_info_reports_a_missing_shared_embedding_and_initializes_it(tmp_path, cls):
+    """With `output_loading_info=True` the caller checks the missing names: the shared embedding (tied by sharing
+    one module) is among them, and initialized as a new model's, not left on the meta device."""
+    from safetensors.torch import load_file, save_file
+
+    config = VaswaniConfig(vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1, num_heads=2, d_ff=32)
+    cls(config).save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    weights = load_file(path)
+    shared = next(name for name in weights if name.endswith("shared.weight"))
+    save_file({k: v for k, v in weights.items() if k != shared}, path, metadata={"format": "pt"})
+    model, info = cls.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] and shared in set(info["missing_keys"])
+    embedding = model.get_input_embeddings().weight
+    assert embedding.device.type == "cpu" and bool(torch.isfinite(embedding).all())
+    assert 0.5 < float(embedding.std()) * config.d_model**0.5 < 2  # N(0, d_model^-1/2), §3.4's scale
+    assert set(info["missing_keys"]) - {shared} <= {n for n in model.state_dict() if "embed_tokens" in n or "lm_head" in n}
 
 
 def test_an_unexpected_safetensors_header_is_reported_not_a_crash(tmp_path):

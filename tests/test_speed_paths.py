@@ -229,9 +229,10 @@ def test_generate_with_packed_linears_matches_and_sees_changed_weights(kwargs):
 
 @needs_onednn
 def test_generate_falls_back_to_nn_linear_when_packing_fails(monkeypatch):
-    model = make_tiny_model()
+    model, plain = make_tiny_model(), make_tiny_model()
+    plain.use_cpu_packed_linears = False
     ids, mask = padded_batch(length=9)
-    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
 
     def refuse(weight, batch_size):
         raise RuntimeError("this oneDNN cannot pack")
@@ -240,3 +241,34 @@ def test_generate_falls_back_to_nn_linear_when_packing_fails(monkeypatch):
     with model.cpu_packed_linears() as packed:
         assert not packed and model.lm_head.packed_weight is None
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6), expected)
+
+
+@needs_onednn
+def test_generate_packs_once_while_the_weights_are_unchanged(monkeypatch):
+    packs = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda *args: packs.append(1) or reorder(*args))
+    model = make_tiny_model()
+    ids, mask = padded_batch(length=9)
+    first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    per_packing = len(packs)
+    assert per_packing == 2 * 4 + 2 * 7 + 1  # every linear map, the stacked input projections once each
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6), first)
+    assert len(packs) == per_packing  # the second call reused the packed weights
+    assert model.lm_head.packed_weight is None  # outside generate() nothing is packed
+    with torch.no_grad():
+        model.model.decoder.layers[1].self_attn.v_proj.bias.add_(1.0)  # inside a stacked q|k|v matrix
+    changed = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True,
+                             return_dict_in_generate=True)
+    assert len(packs) == 2 * per_packing  # packed again
+    reference = make_tiny_model()
+    reference.use_cpu_packed_linears = False
+    with torch.no_grad():
+        reference.model.decoder.layers[1].self_attn.v_proj.bias.add_(1.0)
+    expected = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True,
+                                  return_dict_in_generate=True)
+    assert torch.equal(changed.sequences, expected.sequences)
+    model.keep_packed_cpu_linears = False
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    assert len(packs) == 4 * per_packing  # without keeping, every call packs

@@ -89,7 +89,7 @@ class VaswaniConfig(PretrainedConfig):
 
     Raises:
         ValueError: on impossible sizes (non-positive, `d_model` not divisible by `num_heads`), dropout outside
-            `[0, 1)`, `layer_norm_eps` not in `(0, 1)`, a flag that is not a real bool (no `"false"` strings), a
+            `[0, 1)`, `layer_norm_eps` not in `(0, 1]`, a flag that is not a real bool (no `"false"` strings), a
             special token id outside `[0, vocab_size)`, an unknown activation or position type, or embedding sharing
             across different vocabularies. Checked at construction and on load (`from_dict`, `from_pretrained`),
             where the message names the config.json.
@@ -252,8 +252,8 @@ class VaswaniConfig(PretrainedConfig):
                 raise ValueError(f"VaswaniConfig: {name} must be true or false (a JSON boolean), got {value!r} "
                                  f"({type(value).__name__}).")
         eps = v("layer_norm_eps")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or not 0 < eps < 1:
-            raise ValueError(f"VaswaniConfig: layer_norm_eps must be a small positive number (0 < eps < 1; the default "
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or not 0 < eps <= 1:
+            raise ValueError(f"VaswaniConfig: layer_norm_eps must be a small positive number (0 < eps <= 1; the default "
                              f"is 1e-5), got {eps!r}.")
         limit = min(vocab_size, decoder_vocab_size)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):

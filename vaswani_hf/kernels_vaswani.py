@@ -3,7 +3,8 @@
 - `CPUDropout`: dropout with a cheaper random mask (§5.4's dropout, same distribution, scale and gradient);
 - `half_precision_cpu_attention_forward`: Eq. 1 for bf16/fp16 on a CPU, scores in fp32;
 - `VaswaniLinear`: `nn.Linear` that multiplies with oneDNN-packed weights during CPU inference, and
-  `packed_cpu_linears`, the context that packs them (with the stacked q|k|v input projections) for `generate()`;
+  `packed_cpu_linears`, the context that packs them (with the stacked q|k|v input projections) for `generate()`,
+  keeping the packed copies for the next call while the weights stay unchanged;
 - `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer.
 
 Like `modeling_vaswani.py`, it imports only torch and transformers: transformers copies it beside the model code
@@ -16,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -168,6 +169,19 @@ class VaswaniSelfAttentionCacheLayer(DynamicLayer):
         self._buffer, self._spare = self._spare, self._buffer
         self._set_views()
 
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        """Keep rows `rows` (in that order; fewer than now): beam search dropping finished sentences."""
+        if not self.length:
+            return
+        if self._spare is None:
+            self._spare = torch.empty_like(self._buffer)
+        count, filled = len(rows), slice(0, self.length)
+        # the leading rows of both buffers, which stay allocated: no fresh memory to fault in at every shrink
+        torch.index_select(self._buffer[:, :, :, filled], 0, rows.to(self._buffer.device),
+                           out=self._spare[:count, :, :, filled])
+        self._buffer, self._spare = self._spare[:count], self._buffer[:count]
+        self._set_views()
+
     def get_seq_length(self) -> int:
         return self.length
 
@@ -206,6 +220,19 @@ class VaswaniSelfAttentionCache(DynamicCache):
         self.layer_class_to_replicate = functools.partial(VaswaniSelfAttentionCacheLayer, capacity)
 
 
+def _packing_key(linears: list, fused: dict) -> tuple:
+    """What packed weights depend on: each weight and bias (identity, storage and version counter, which every
+    in-place update such as an optimizer step or `load_state_dict` advances) and which projections are stacked."""
+
+    def state(tensor):
+        return None if tensor is None else (id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape))
+
+    parts = [(id(module), state(module.weight), state(module.bias)) for module in linears]
+    for attention, group in fused.items():
+        parts.append((id(attention),) + tuple((id(p), state(p.weight), state(p.bias)) for p in group))
+    return tuple(parts)
+
+
 @contextlib.contextmanager
 def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection_class: type):
     """The body of `VaswaniForConditionalGeneration.cpu_packed_linears` (see there); `attention_class` and
@@ -227,20 +254,29 @@ def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection
                 fused[module] = group
     covered = {id(projection) for group in fused.values() for projection in group}
     linears = [module for module in linears if id(module) not in covered]
-    try:
-        with torch.no_grad():
-            stacked = {}
-            for attention, group in fused.items():
-                linear = VaswaniLinear(model.config.d_model, len(group) * model.config.d_model, device="meta")
-                linear.weight = nn.Parameter(torch.cat([p.weight.detach() for p in group]), requires_grad=False)
-                linear.bias = nn.Parameter(torch.cat([p.bias.detach() for p in group]), requires_grad=False)
-                stacked[attention] = linear
-            linears += list(stacked.values())
-            packed = [torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64) for module in linears]
-    except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
-        logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
-        yield False
-        return
+    key = _packing_key(linears, fused)
+    keep = getattr(model, "keep_packed_cpu_linears", False)
+    kept = model.__dict__.get("_packed_cpu_linears") if keep else model.__dict__.pop("_packed_cpu_linears", None)
+    if keep and kept is not None and kept[0] == key:  # the same weights, unchanged since they were packed
+        linears, packed, stacked = list(kept[1]), list(kept[2]), dict(kept[3])
+    else:
+        model.__dict__.pop("_packed_cpu_linears", None)
+        try:
+            with torch.no_grad():
+                stacked = {}
+                for attention, group in fused.items():
+                    linear = VaswaniLinear(model.config.d_model, len(group) * model.config.d_model, device="meta")
+                    linear.weight = nn.Parameter(torch.cat([p.weight.detach() for p in group]), requires_grad=False)
+                    linear.bias = nn.Parameter(torch.cat([p.bias.detach() for p in group]), requires_grad=False)
+                    stacked[attention] = linear
+                linears += list(stacked.values())
+                packed = [torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64) for module in linears]
+        except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
+            logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
+            yield False
+            return
+        if keep:
+            model.__dict__["_packed_cpu_linears"] = (key, tuple(linears), tuple(packed), dict(stacked))
     for module, weight in zip(linears, packed, strict=True):
         module.packed_weight = weight
     for attention, linear in stacked.items():
@@ -252,3 +288,111 @@ def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection
             module.packed_weight = None
         for attention in stacked:
             attention.__dict__.pop("fused_inputs", None)
+
+
+# Beam search without the sentences it has finished ---------------------------------------------------------------------
+
+
+class FinishedSentenceSkipping:
+    """Beam search state that lets decoding steps leave out the sentences beam search has finished.
+
+    transformers' beam search keeps every sentence of the batch in every step until the last one is done; the steps of
+    a finished sentence change nothing it returns (with `early_stopping=True`, or once no hypothesis can improve on
+    its finished ones, every new candidate of the sentence is scored -1e9 below its finished hypotheses). So after the
+    step in which a sentence finishes, its rows leave the decoder's batch, as CTranslate2 does: the self-attention
+    cache keeps only the rows of the open sentences (the beam reorder gathers exactly those), the encoder-decoder
+    cache, encoder output and source mask only their sentences, and the finished rows' logits are zeros (finite; never
+    used). The first step, where the beams of a sentence hold the same start token, runs once per sentence (as
+    CTranslate2 does) and its cache and logits are repeated for the beams. Used only where nothing of a finished sentence's later steps is returned: no scores, logits, attentions or
+    hidden states asked for, no sampling, our self-attention cache.
+
+    Args:
+        batch: sentences; beams: rows per sentence.
+    """
+
+    def __init__(self, batch: int, beams: int, device: torch.device):
+        self.batch, self.beams, self.device = batch, beams, device
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # finished, as of the last step
+        self.sentences: torch.LongTensor | None = None  # open sentences in the decoder's batch (None: all)
+        self.rows: torch.LongTensor | None = None  # their rows among the batch * beams of beam search
+        self.closed_rows: torch.LongTensor | None = None  # the other rows
+        self._encoder: tuple | None = None  # (encoder states, source mask) of the open sentences
+
+    def note_finished(self, is_sent_finished: torch.Tensor, early_stopping, no_improvement: torch.Tensor) -> None:
+        """After a step: a sentence whose `num_beams` hypotheses are finished, with `early_stopping=True` or no
+        improvement possible, is done."""
+        full = is_sent_finished.all(dim=-1)
+        if early_stopping is not True:
+            full = full & no_improvement.reshape(-1)
+        self.done |= full
+
+    def reorder(self, cache, beam_idx: torch.LongTensor) -> bool:
+        """Beam search's cache reorder, dropping the rows of sentences done since the last step. Returns False when
+        nothing was dropped yet (the caller then reorders as usual)."""
+        open_now = (~self.done).nonzero().flatten()
+        if self.sentences is None and len(open_now) == self.batch:
+            return False
+        if len(open_now) == 0:  # the loop ends after this step; keep the last layout
+            open_now = self.sentences if self.sentences is not None else torch.arange(self.batch, device=self.device)
+        full = self.batch * self.beams
+        old_rows = self.rows if self.rows is not None else torch.arange(full, device=self.device)
+        old_sentences = self.sentences if self.sentences is not None else torch.arange(self.batch, device=self.device)
+        new_rows = (open_now[:, None] * self.beams + torch.arange(self.beams, device=self.device)).flatten()
+        position = torch.full((full,), -1, dtype=torch.long, device=self.device)
+        position[old_rows] = torch.arange(len(old_rows), device=self.device)
+        sources = position[beam_idx.to(self.device)[new_rows]]  # beams stay within their (open) sentence
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        if len(new_rows) == len(old_rows):
+            self_cache.reorder_cache(sources)
+        else:
+            for layer in self_cache.layers:
+                layer.select_rows(sources)
+            if isinstance(cache, EncoderDecoderCache):
+                sentence_position = torch.full((self.batch,), -1, dtype=torch.long, device=self.device)
+                sentence_position[old_sentences] = torch.arange(len(old_sentences), device=self.device)
+                kept = sentence_position[open_now]
+                for layer in cache.cross_attention_cache.layers:
+                    if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                        layer.keys = layer.keys.index_select(0, kept)
+                        layer.values = layer.values.index_select(0, kept)
+            self._encoder = None
+        self.sentences, self.rows = open_now, new_rows
+        closed = torch.ones(full, dtype=torch.bool, device=self.device)
+        closed[new_rows] = False
+        self.closed_rows = closed.nonzero().flatten()
+        return True
+
+    def first_step_rows(self, decoder_input_ids: torch.LongTensor, cache) -> bool:
+        """Whether this is beam search's first step with the same decoder input in all beams of each sentence (as
+        `generate()` expands it): then one row per sentence computes what all of its beams would."""
+        if self.rows is not None or cache is None or cache.get_seq_length() != 0:
+            return False
+        if decoder_input_ids.shape[0] != self.batch * self.beams:
+            return False
+        grouped = decoder_input_ids.view(self.batch, self.beams, -1)
+        return bool(grouped.eq(grouped[:, :1]).all())
+
+    def expand_first_step(self, cache, logits: torch.Tensor) -> torch.Tensor:
+        """After a first step on one row per sentence: every beam's row gets its sentence's cache and logits."""
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        for layer in self_cache.layers:
+            layer.batch_repeat_interleave(self.beams)
+        return logits.repeat_interleave(self.beams, dim=0)
+
+    def compact_inputs(self, decoder_input_ids, attention_mask, encoder_outputs):
+        """The open sentences' part of a decoding step's inputs (full batch -> open rows)."""
+        if self._encoder is None:
+            states = encoder_outputs[0] if encoder_outputs is not None else None
+            self._encoder = (
+                states.index_select(0, self.sentences) if states is not None else None,
+                attention_mask.index_select(0, self.sentences) if attention_mask is not None else None)
+        states, mask = self._encoder
+        if encoder_outputs is not None:
+            encoder_outputs = type(encoder_outputs)(last_hidden_state=states) if hasattr(
+                encoder_outputs, "last_hidden_state") else (states,)
+        return decoder_input_ids.index_select(0, self.rows), mask, encoder_outputs
+
+    def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`(open rows, T, V)` -> `(batch * beams, T, V)`, zeros in the rows of finished sentences."""
+        full = logits.new_empty(self.batch * self.beams, *logits.shape[1:])
+        return full.index_copy_(0, self.rows, logits).index_fill_(0, self.closed_rows, 0.0)

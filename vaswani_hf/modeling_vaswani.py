@@ -37,11 +37,11 @@ from transformers.utils import logging
 
 try:
     from .configuration_vaswani import VaswaniConfig
-    from .kernels_vaswani import (CPUDropout, VaswaniLinear, VaswaniSelfAttentionCache,
+    from .kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, VaswaniLinear, VaswaniSelfAttentionCache,
                                   half_precision_cpu_attention_forward, packed_cpu_linears)
 except ImportError:  # loaded as a standalone file
     from configuration_vaswani import VaswaniConfig
-    from kernels_vaswani import (CPUDropout, VaswaniLinear, VaswaniSelfAttentionCache,
+    from kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, VaswaniLinear, VaswaniSelfAttentionCache,
                                  half_precision_cpu_attention_forward, packed_cpu_linears)
 
 logger = logging.get_logger(__name__)
@@ -438,6 +438,23 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _can_compile_fullgraph = True
 
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """transformers' step before initializing the weights a checkpoint lacks: it flags every tied parameter as
+        initialized. Our embeddings are tied by sharing one module (§3.4), so `encoder.embed_tokens.weight` *is*
+        `shared.weight`, and flagging it would flag the source as well: a checkpoint without the embedding would leave
+        it uninitialized on the meta device and not report it missing. Parameters that are their own source are
+        skipped here; the rest is transformers' step."""
+        tied = getattr(self, "all_tied_weights_keys", {}) or {}
+        sources = {id(self.get_parameter(source)) for source in set(tied.values())}
+        for target in tied:
+            parameter = self.get_parameter(target)
+            if id(parameter) not in sources:
+                parameter._is_hf_initialized = True
+        if self.is_custom_code():  # as transformers: module-tied names whose module was loaded are not missing
+            loading_info.missing_keys = {
+                key for key in loading_info.missing_keys
+                if key in tied or not getattr(self.get_parameter_or_buffer(key), "_is_hf_initialized", False)}
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`, reading weights from safetensors only and refusing weights that cannot be
@@ -449,7 +466,8 @@ class VaswaniPreTrainedModel(PreTrainedModel):
         caller passes `use_safetensors=False` on purpose.
 
         Loading a local folder is strict: a weight the model needs that model.safetensors lacks (transformers would
-        initialize it at random and only log it) or a tensor in the file that the model has no place for is an error.
+        initialize it at random and only log it) or a tensor in the file that the model has no place for is an error,
+        unless the caller passes `output_loading_info=True` and so receives the missing and unexpected names to check.
 
         Raises:
             OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf,
@@ -472,7 +490,8 @@ class VaswaniPreTrainedModel(PreTrainedModel):
                 "again, or load another checkpoint."
             ) from error
         model = loaded[0] if isinstance(loaded, tuple) else loaded
-        _check_loaded_weight_names(model, pretrained_model_name_or_path, kwargs)
+        if not kwargs.get("output_loading_info"):
+            _check_loaded_weight_names(model, pretrained_model_name_or_path, kwargs)
         for name, tensor in model.state_dict().items():
             if tensor.device.type != "meta" and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ValueError(
@@ -983,6 +1002,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
     """
 
     use_cpu_packed_linears: bool = True  # see cpu_packed_linears()
+    keep_packed_cpu_linears: bool = True  # see cpu_packed_linears()
+    skip_finished_sentences: bool = True  # see _beam_search()
 
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
@@ -1077,8 +1098,11 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         `VaswaniLinear`), if the model is an fp32 model on a CPU, torch has oneDNN, autocast is off and
         `use_cpu_packed_linears` is True (the class attribute; set it to False to turn the path off). `generate()`
         runs inside it. Packing copies every linear weight once (about 70 ms and as much memory again as the linear
-        weights, base size); the copies are dropped on exit, so weights changed between calls are always seen.
-        Nested uses keep the outer packing. Yields whether the weights are packed.
+        weights, base size). The packed copies are kept for the next use while every weight is unchanged (the same
+        tensor, storage and version counter: an optimizer step, `load_state_dict` or any in-place change makes them
+        be packed again), so repeated `generate()` calls pack once; `keep_packed_cpu_linears = False` (the class
+        attribute) drops them on exit instead. Nested uses keep the outer packing. Yields whether the weights are
+        packed.
 
         The input projections that read one input are also stacked into one packed matrix per attention
         (`VaswaniAttention.fused_inputs`: q|k|v, or k|v in encoder-decoder attention), when they are plain
@@ -1120,6 +1144,41 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             model_kwargs["past_key_values"] = EncoderDecoderCache(
                 VaswaniSelfAttentionCache(capacity if isinstance(capacity, int) else 0), cache.cross_attention_cache)
 
+    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                     **model_kwargs):
+        """transformers' beam search. Where only the sequences are returned (no `return_dict_in_generate`, so no
+        scores, attentions or cache either) and beams are not sampled, the decoding steps leave the sentences that beam
+        search has finished out of the batch (`FinishedSentenceSkipping`): the same sequences, computed for the open
+        sentences only. `skip_finished_sentences = False` (the class attribute) turns that off."""
+        cache = model_kwargs.get("past_key_values")
+        encoder_outputs = model_kwargs.get("encoder_outputs")
+        states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
+        beams = generation_config.num_beams or 1
+        eligible = (self.skip_finished_sentences and not synced_gpus and not generation_config.do_sample
+                    and not any(getattr(generation_config, name, False) for name in
+                                ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                                 "output_hidden_states"))
+                    and isinstance(cache, EncoderDecoderCache)
+                    and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
+                    and torch.is_tensor(states) and states.shape[0] > 1 and beams > 1
+                    and input_ids.shape[0] == states.shape[0] * beams)
+        self.__dict__["_finished_sentences"] = (
+            FinishedSentenceSkipping(states.shape[0], beams, input_ids.device) if eligible else None)
+        try:
+            return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
+                                        synced_gpus, **model_kwargs)
+        finally:
+            self.__dict__.pop("_finished_sentences", None)
+
+    def _update_finished_beams(self, *args, **kwargs):
+        """transformers' update of the finished hypotheses, noting which sentences are done."""
+        results = super()._update_finished_beams(*args, **kwargs)
+        skipping = self.__dict__.get("_finished_sentences")
+        if skipping is not None:
+            skipping.note_finished(results[3], kwargs.get("early_stopping"),
+                                   ~kwargs["is_early_stop_heuristic_unsatisfied"])
+        return results
+
     def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
         """Beam search's hook to follow the surviving beams (`generate()` calls it after every step).
 
@@ -1128,6 +1187,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         would gather it too, failing on its rows, or, with one row per beam, copying
         `decoder_layers x 2 x (B * beams, H, S, Dh)` floats per step for nothing.
         """
+        skipping = self.__dict__.get("_finished_sentences")
+        if skipping is not None and skipping.reorder(past_key_values, beam_idx):
+            return past_key_values
         if isinstance(past_key_values, EncoderDecoderCache):
             past_key_values.self_attention_cache.reorder_cache(beam_idx)
         else:
@@ -1196,6 +1258,19 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id,
                                                        self.config.decoder_start_token_id)
+        skipping = self.__dict__.get("_finished_sentences")
+        first_step = False
+        if (skipping is None or labels is not None or decoder_input_ids is None or decoder_attention_mask is not None
+                or decoder_input_ids.shape[0] != skipping.batch * skipping.beams):
+            skipping = None  # only beam search's decoding steps run on fewer rows (see `_beam_search`)
+        elif skipping.rows is not None:
+            decoder_input_ids, attention_mask, encoder_outputs = skipping.compact_inputs(
+                decoder_input_ids, attention_mask, encoder_outputs)
+        elif skipping.first_step_rows(decoder_input_ids, past_key_values):
+            first_step = True
+            decoder_input_ids = decoder_input_ids[:: skipping.beams]
+        else:
+            skipping = None
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1214,6 +1289,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             hidden_states = hidden_states[:, kept]
         logits = self.lm_head(hidden_states)  # (B, T, V)
+        if first_step:
+            logits = skipping.expand_first_step(past_key_values, logits)
+        elif skipping is not None:
+            logits = skipping.expand_logits(logits)
         loss = None
         if labels is not None:
             loss = self.loss(logits, labels, num_items_in_batch, label_smoothing=label_smoothing or 0.0)
