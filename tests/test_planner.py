@@ -150,3 +150,29 @@ def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, 
     tail = lrs[-12:]  # updates 13..24: a straight line down to lr(12) / 13
     assert all(a > b for a, b in zip(tail, tail[1:]))
     assert tail[-1] == pytest.approx(lrs[11] / 13, rel=1e-3)
+
+
+def _cpu_flags() -> str:
+    try:
+        return open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif("avx512_bf16" not in _cpu_flags(),
+                    reason="needs a CPU with avx512_bf16 to show that a restriction turns native bf16 off")
+def test_an_instruction_set_restriction_turns_native_bf16_off():
+    """ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 measure a plain AVX2 machine on one that has more: the run
+    must then choose fp32, as it would there."""
+    import subprocess
+    import sys
+
+    code = "from training.common import cpu_has_native_bf16; print(cpu_has_native_bf16())"
+    env = dict(__import__("os").environ)
+    env.pop("ATEN_CPU_CAPABILITY", None), env.pop("ONEDNN_MAX_CPU_ISA", None)
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert plain.stdout.strip() == "True", plain.stderr
+    for name, value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")):
+        limited = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 env={**env, name: value})
+        assert limited.stdout.strip() == "False", (name, limited.stderr)

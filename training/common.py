@@ -143,14 +143,23 @@ class RecipeArguments:
                 "yes, or no (fp32)."})
 
 
+# oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) below which it has no bf16 instructions.
+_ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 def cpu_has_native_bf16() -> bool:
-    """True where the CPU has bf16 instructions (Linux /proc/cpuinfo flags avx512_bf16 or amx_bf16). Elsewhere bf16
-    on the CPU is emulated and slower than fp32."""
+    """True where torch can compute bf16 natively on this CPU: /proc/cpuinfo (Linux) has avx512_bf16 or amx_bf16, and
+    neither torch's kernels (ATEN_CPU_CAPABILITY, e.g. avx2) nor oneDNN (ONEDNN_MAX_CPU_ISA, e.g. AVX2) are limited
+    below them. Elsewhere bf16 on the CPU is emulated and hundreds of times slower than fp32."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
+        return False
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in _ONEDNN_ISAS_WITHOUT_BF16:
+        return False
+    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 
 def wants_cpu_bf16(recipe: RecipeArguments) -> bool:
