@@ -189,8 +189,8 @@ def precision_choice(training_args: Seq2SeqTrainingArguments, recipe) -> tuple[s
         return "fp32", "--cpu_bf16 no"
     if native:
         return "bf16 autocast", "the CPU has native bf16 (avx512_bf16/amx_bf16); --cpu_bf16 no for fp32"
-    return "fp32", ("the CPU has no native bf16 (no avx512_bf16/amx_bf16 flag), where bf16 matmuls are emulated and "
-                    "far slower than fp32")
+    return "fp32", ("no native bf16 here (no avx512_bf16/amx_bf16 CPU flag, or torch limited below it by "
+                    "ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA): bf16 matmuls would be emulated, far slower than fp32")
 
 
 def build_parser() -> HfArgumentParser:
