@@ -272,3 +272,33 @@ def test_generate_packs_once_while_the_weights_are_unchanged(monkeypatch):
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
     assert len(packs) == 4 * per_packing  # without keeping, every call packs
+
+
+@needs_onednn
+@pytest.mark.parametrize("update", ["fused_adam_in_eval_mode", "fused_adam_as_trainer_does"])
+def test_weights_packed_by_one_generate_are_not_reused_after_the_weights_change(update):
+    """Packed weights kept between generate() calls must follow every change of the weights, including torch's fused
+    Adam, which writes parameters without advancing their version counter (an evaluation during training would
+    otherwise decode with the weights of the previous evaluation)."""
+    import copy
+
+    model = make_tiny_model(dropout=0.0).eval()
+    ids, mask = padded_batch(length=9)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)  # packs and keeps
+    assert model.__dict__.get("_packed_cpu_linears") is not None
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
+    labels, _ = padded_batch(seed=3, length=7)
+    if update == "fused_adam_as_trainer_does":
+        model.train()  # Trainer: train mode for the steps, eval mode for the evaluation's generate()
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    optimizer.step()  # the version counters stay where they were
+    model.eval()
+    fresh = copy.deepcopy(model)  # the kept packing is not copied
+    assert "_packed_cpu_linears" not in fresh.__dict__
+    fresh.keep_packed_cpu_linears = False
+    expected = fresh.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True,
+                              return_dict_in_generate=True)
+    got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True,
+                         return_dict_in_generate=True)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))

@@ -221,11 +221,16 @@ class VaswaniSelfAttentionCache(DynamicCache):
 
 
 def _packing_key(linears: list, fused: dict) -> tuple:
-    """What packed weights depend on: each weight and bias (identity, storage and version counter, which every
-    in-place update such as an optimizer step or `load_state_dict` advances) and which projections are stacked."""
+    """What packed weights depend on: each weight and bias (identity, storage, version counter, and a sum over a
+    strided sample of its values) and which projections are stacked. The sample is needed because not every in-place
+    update advances the version counter: torch's fused Adam (`Adam(fused=True)`) writes the parameters without it,
+    so a key of identity and version alone would keep weights packed before the optimizer step."""
 
     def state(tensor):
-        return None if tensor is None else (id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape))
+        if tensor is None:
+            return None
+        sample = float(tensor.detach().reshape(-1)[::97].double().sum())  # ~1 % of the values, every row touched
+        return (id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape), sample)
 
     parts = [(id(module), state(module.weight), state(module.bias)) for module in linears]
     for attention, group in fused.items():

@@ -424,6 +424,16 @@ class VaswaniDecoderLayer(VaswaniEncoderLayer):
 class VaswaniPreTrainedModel(PreTrainedModel):
     """Weights initialization as in fairseq's reference Transformer, and what transformers needs to know."""
 
+    def train(self, mode: bool = True):
+        if mode:  # training will change the weights: weights packed for generate() are dropped (kernels_vaswani)
+            self.__dict__.pop("_packed_cpu_linears", None)
+        return super().train(mode)
+
+    def __getstate__(self):  # copy.deepcopy and pickle: weights packed for generate() are not part of the model
+        state = dict(super().__getstate__())
+        state.pop("_packed_cpu_linears", None)
+        return state
+
     config_class = VaswaniConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
