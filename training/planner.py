@@ -137,8 +137,7 @@ class BudgetPlanner(TrainerCallback):
                        f"last {cooldown}; training ends at ~{record['training_minutes']} min, whole command "
                        f"~{record['whole_minutes']} of {record['budget_minutes']} min (test translation "
                        f"~{self.final_seconds() / 60:.1f} min).")
-            logger.info(message)
-            print(message, flush=True)
+            print(message, flush=True)  # stdout, beside the progress bar: the user's record of the plan
         return planned
 
     # -- Trainer hooks ----------------------------------------------------------------------------------------
@@ -149,7 +148,6 @@ class BudgetPlanner(TrainerCallback):
                    f"spent before training). Precision {self.precision}"
                    f"{f' ({self.precision_reason})' if self.precision_reason else ''}; {torch.get_num_threads()} "
                    f"threads. The number of steps is planned after timing the first {self.measure_steps} steps.")
-        logger.info(message)
         print(message, flush=True)
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):

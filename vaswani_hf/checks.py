@@ -263,7 +263,7 @@ def check_model_folder(folder: str | os.PathLike, *, need_tokenizer: bool = True
             raise CheckError(
                 f"{folder}: the weights are only in pytorch_model.bin, a pickle that can run code when loaded; this "
                 f"project reads weights from model.safetensors only. Re-save the model with save_pretrained() "
-                f"(safetensors is the default) from a trusted session.")
+                f"(safetensors is the default), loading the pickle only if you trust where it came from.")
         raise CheckError(f"{folder}: the weights cannot be used ({'; '.join(weights)}). The save did not finish or "
                          f"the file was damaged; copy it again or use another checkpoint.")
     if need_tokenizer:

@@ -203,7 +203,7 @@ class VaswaniConfig(PretrainedConfig):
             if message.startswith(_CONFIG_JSON):
                 raise
             raise ValueError(f"{_CONFIG_JSON}: {message.removeprefix('VaswaniConfig: ')} Fix the field in config.json "
-                             f"(or re-save the config from a trusted session).") from None
+                             f"(or re-save the config with save_pretrained()).") from None
         return loaded
 
     @classmethod
