@@ -311,6 +311,10 @@ def _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tok
 
     batches = batch_stream(completed * accumulation)
     minutes = recipe.max_train_minutes if recipe.max_train_minutes is not None else preset.get("max_train_minutes")
+    if minutes is None and preset.get("time_budget_minutes") and not loop.max_steps:
+        # This loop has no planner (train.py's BudgetPlanner): it stops by the clock 3 minutes before the preset's
+        # budget, leaving that for the test translation, with the paper's schedule (no cooldown).
+        minutes = preset["time_budget_minutes"] - 3
     deadline = time.monotonic() + minutes * 60 if minutes else None
     keep = max(loop.save_total_limit, recipe.average_last) if loop.save_total_limit else None
     target_tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
