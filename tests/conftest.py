@@ -120,3 +120,16 @@ def pytest_configure(config):
     for mark in ("slow", "accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test",
                  "torch_compile_test"):
         config.addinivalue_line("markers", f"{mark}: a mark of transformers' common tests")
+
+
+def exits_with(call, *patterns) -> str:
+    """Run a command's main(); it must stop with SystemExit whose message matches every regex pattern. Returns the
+    message."""
+    import re
+
+    with pytest.raises(SystemExit) as error:
+        call()
+    message = str(error.value.code)
+    for pattern in patterns:
+        assert re.search(pattern, message), f"{pattern!r} not in {message!r}"
+    return message

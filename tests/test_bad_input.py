@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGLISH, GERMAN, make_tiny_model
+from conftest import ENGLISH, GERMAN, exits_with, make_tiny_model
 from transformers import AutoModelForSeq2SeqLM, BartConfig, BartForConditionalGeneration, MarianConfig, MarianMTModel
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration
@@ -64,16 +64,6 @@ def evaluate_cli(*args):
     from training.evaluate_bleu import main
 
     return main(list(map(str, args)))
-
-
-def exits_with(call, *patterns):
-    """Run a command's main(); it must stop with SystemExit whose message matches every pattern."""
-    with pytest.raises(SystemExit) as error:
-        call()
-    message = str(error.value.code)
-    for pattern in patterns:
-        assert re.search(pattern, message), f"{pattern!r} not in {message!r}"
-    return message
 
 
 # Parallel data through the train command ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import exits_with, make_tiny_model
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -33,15 +33,6 @@ def train(output_dir: Path, cache: Path, *args: str) -> dict:
 
 def listing(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def exits_with(call, *patterns) -> str:
-    with pytest.raises(SystemExit) as error:
-        call()
-    message = str(error.value.code)
-    for pattern in patterns:
-        assert re.search(pattern, message), f"{pattern!r} not in {message!r}"
-    return message
 
 
 def translate_cli(*args) -> int:
@@ -310,16 +301,24 @@ def test_a_tokenizer_of_another_size_is_refused(model_folder, tmp_path):
                re.escape(str(model_folder / "tokenizer.json")), "does not belong to this model")
 
 
-@pytest.mark.parametrize("cls", [VaswaniForConditionalGeneration, VaswaniModel])
-def test_missing_or_unexpected_weights_are_refused_naming_the_file(tmp_path, cls):
+def _save_without_shared_embedding(folder, cls):
+    """A saved tiny `cls` whose model.safetensors lacks the shared embedding; returns (path, weights, shared name)."""
     from safetensors.torch import load_file, save_file
 
     config = VaswaniConfig(vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1, num_heads=2, d_ff=32)
-    cls(config).save_pretrained(tmp_path)
-    path = tmp_path / "model.safetensors"
+    cls(config).save_pretrained(folder)
+    path = folder / "model.safetensors"
     weights = load_file(path)
     shared = next(name for name in weights if name.endswith("shared.weight"))
     save_file({k: v for k, v in weights.items() if k != shared}, path, metadata={"format": "pt"})
+    return path, weights, shared
+
+
+@pytest.mark.parametrize("cls", [VaswaniForConditionalGeneration, VaswaniModel])
+def test_missing_or_unexpected_weights_are_refused_naming_the_file(tmp_path, cls):
+    from safetensors.torch import save_file
+
+    path, weights, shared = _save_without_shared_embedding(tmp_path, cls)
     with pytest.raises(ValueError, match=re.escape(f"{path}: missing") + f".*{re.escape(shared)}"):
         cls.from_pretrained(tmp_path)
     save_file({**weights, "extra.weight": torch.zeros(3)}, path, metadata={"format": "pt"})
@@ -333,19 +332,12 @@ def test_missing_or_unexpected_weights_are_refused_naming_the_file(tmp_path, cls
 def test_output_loading_info_reports_a_missing_shared_embedding_and_initializes_it(tmp_path, cls):
     """With `output_loading_info=True` the caller checks the missing names: the shared embedding (tied by sharing
     one module) is among them, and initialized as a new model's, not left on the meta device."""
-    from safetensors.torch import load_file, save_file
-
-    config = VaswaniConfig(vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1, num_heads=2, d_ff=32)
-    cls(config).save_pretrained(tmp_path)
-    path = tmp_path / "model.safetensors"
-    weights = load_file(path)
-    shared = next(name for name in weights if name.endswith("shared.weight"))
-    save_file({k: v for k, v in weights.items() if k != shared}, path, metadata={"format": "pt"})
+    _, _, shared = _save_without_shared_embedding(tmp_path, cls)
     model, info = cls.from_pretrained(tmp_path, output_loading_info=True)
     assert info["missing_keys"] and shared in set(info["missing_keys"])
     embedding = model.get_input_embeddings().weight
     assert embedding.device.type == "cpu" and bool(torch.isfinite(embedding).all())
-    assert 0.5 < float(embedding.std()) * config.d_model**0.5 < 2  # N(0, d_model^-1/2), §3.4's scale
+    assert 0.5 < float(embedding.std()) * model.config.d_model**0.5 < 2  # N(0, d_model^-1/2), §3.4's scale
     assert set(info["missing_keys"]) - {shared} <= {n for n in model.state_dict() if "embed_tokens" in n or "lm_head" in n}
 
 
