@@ -5,7 +5,8 @@
 - `VaswaniLinear`: `nn.Linear` that multiplies with oneDNN-packed weights during CPU inference, and
   `packed_cpu_linears`, the context that packs them (with the stacked q|k|v input projections) for `generate()`,
   keeping the packed copies for the next call while the weights stay unchanged;
-- `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer.
+- `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer;
+- `RealTokens`: CPU training runs the position-wise layers on the real (non-padding) tokens of a batch only.
 
 Like `modeling_vaswani.py`, it imports only torch and transformers: transformers copies it beside the model code
 (relative imports) for `trust_remote_code=True`.
@@ -293,6 +294,97 @@ def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection
             module.packed_weight = None
         for attention in stacked:
             attention.__dict__.pop("fused_inputs", None)
+
+
+# Training without computing on padding ---------------------------------------------------------------------------------
+
+
+class RealTokens:
+    """The real positions of a padded `(B, L)` batch, so that a CPU training step skips the padding.
+
+    Everything in a layer but attention is position-wise (the projections, the FFN, LayerNorm, dropout, the residual
+    adds), so it can run on the real tokens alone, packed as `(N, D)`, N the number of real positions: a
+    length-bucketed batch of Multi30k sentences is 10-15 % padding, and a step's matrix products shrink by as much.
+    Attention still runs on the padded `(B, L)` layout (`pad` before it, `pack` after it) with the usual masks.
+
+    What runs on which positions: the encoder keeps the positions its `attention_mask` marks 1; no real position
+    ever reads a padded one (they are masked as keys). The decoder keeps, in each row, the positions up to the last
+    one with a label (`labels != -100`): a causal decoder never lets a position read later ones, so the kept
+    positions compute exactly what they compute in the padded batch. Padded positions' outputs (encoder states,
+    decoder states and logits) are then zeros instead of values nothing uses.
+
+    Used by `modeling_vaswani.py` only in training mode on a CPU in eager mode, without attention probabilities or
+    hidden states asked for, and only when the batch has padding and every row keeps at least one position (a
+    fully padded source row falls back to the padded layout, which defines what it attends to); `RealTokens.enabled
+    = False` turns it off. Finding the real positions reads the mask (a host sync on a GPU, a data-dependent shape
+    under `torch.compile` or export), which is why GPUs, compiled and exported graphs keep the padded layout.
+    """
+
+    enabled = True
+
+    def __init__(self, keep: torch.Tensor):
+        self.batch, self.length = keep.shape
+        flat = keep.reshape(-1)
+        self.index = flat.nonzero().squeeze(1)  # (N,) positions in the flattened (B * L) layout
+        self.left_out = (~flat).nonzero().squeeze(1)
+
+    @classmethod
+    def of(cls, keep: torch.Tensor | None, module: nn.Module) -> "RealTokens | None":
+        """`RealTokens` for the `(B, L)` mask `keep` (nonzero: real) when `module` trains on a CPU in eager mode and
+        packing leaves something out; else `None` (the padded layout)."""
+        if (not cls.enabled or keep is None or keep.dim() != 2 or not module.training
+                or keep.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+            return None
+        keep = keep.bool()
+        if bool(keep.all()) or not bool(keep.any(1).all()):
+            return None
+        return cls(keep)
+
+    @classmethod
+    def of_labels(cls, labels: torch.Tensor | None, module: nn.Module) -> "RealTokens | None":
+        """`of` for a decoder trained on `labels` `(B, T)`: each row keeps its positions up to its last label."""
+        if labels is None or labels.dim() != 2 or labels.device.type != "cpu":
+            return None
+        return cls.of(labels.ne(-100).flip(1).cumsum(1).flip(1) > 0, module)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, L, ...)` -> `(N, ...)`: the real positions, in order."""
+        return _Pack.apply(x.reshape(self.batch * self.length, *x.shape[2:]), self).view(-1, *x.shape[2:])
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """`(N, ...)` -> `(B, L, ...)`, zeros at the left-out positions."""
+        return _Pad.apply(x, self).view(self.batch, self.length, *x.shape[1:])
+
+    def _scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """`(N, ...)` -> `(B * L, ...)` with zeros elsewhere, writing each element once."""
+        full = x.new_empty(self.batch * self.length, *x.shape[1:])
+        return full.index_fill_(0, self.left_out, 0.0).index_copy_(0, self.index, x)
+
+
+class _Pack(torch.autograd.Function):
+    """`RealTokens.pack` on `(B * L, ...)`; its gradient is `pad`'s forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tokens: RealTokens) -> torch.Tensor:
+        ctx.tokens = tokens
+        return x.index_select(0, tokens.index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.tokens._scatter(grad.contiguous()), None
+
+
+class _Pad(torch.autograd.Function):
+    """`RealTokens.pad` to `(B * L, ...)`; its gradient is `pack`'s forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tokens: RealTokens) -> torch.Tensor:
+        ctx.tokens = tokens
+        return tokens._scatter(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.reshape(grad.shape[0], -1).index_select(0, ctx.tokens.index).view(-1, *grad.shape[1:]), None
 
 
 # Beam search without the sentences it has finished ---------------------------------------------------------------------

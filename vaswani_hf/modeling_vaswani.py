@@ -10,8 +10,8 @@ The file reads top to bottom like §3 of the paper:
     §3.4  shared embeddings and softmax .. VaswaniModel, VaswaniForConditionalGeneration
     §5.4  loss (label smoothing on request) VaswaniForConditionalGeneration.forward
 
-The CPU kernels (the cheaper dropout mask, bf16 CPU attention, oneDNN-packed linears, the in-place decoding cache)
-live beside it in `kernels_vaswani.py`. It imports only torch, transformers, `configuration_vaswani.py` and
+The CPU kernels (the cheaper dropout mask, bf16 CPU attention, oneDNN-packed linears, the in-place decoding cache,
+training on the real tokens of a padded batch) live beside it in `kernels_vaswani.py`. It imports only torch, transformers, `configuration_vaswani.py` and
 `kernels_vaswani.py`: the three files are copied to the Hub and loaded there with `trust_remote_code=True`.
 
 Shapes in comments: B batch, S source length, T target length (new tokens), P past (cached) target length,
@@ -37,12 +37,12 @@ from transformers.utils import logging
 
 try:
     from .configuration_vaswani import VaswaniConfig
-    from .kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, VaswaniLinear, VaswaniSelfAttentionCache,
-                                  half_precision_cpu_attention_forward, packed_cpu_linears)
+    from .kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
+                                  VaswaniSelfAttentionCache, half_precision_cpu_attention_forward, packed_cpu_linears)
 except ImportError:  # loaded as a standalone file
     from configuration_vaswani import VaswaniConfig
-    from kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, VaswaniLinear, VaswaniSelfAttentionCache,
-                                 half_precision_cpu_attention_forward, packed_cpu_linears)
+    from kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
+                                 VaswaniSelfAttentionCache, half_precision_cpu_attention_forward, packed_cpu_linears)
 
 logger = logging.get_logger(__name__)
 
@@ -219,14 +219,24 @@ class VaswaniAttention(nn.Module):
 
     fused_inputs: VaswaniLinear | None = None  # set by `cpu_packed_linears` (not a submodule, not saved)
 
-    def _project(self, x: torch.Tensor, projections: tuple[nn.Module, ...], fused: bool) -> tuple[torch.Tensor, ...]:
-        """`(B, L, D)` -> one `(B, H, L, Dh)` tensor per projection; with the packed fused matrix when it applies."""
+    def _project(self, x: torch.Tensor, projections: tuple[nn.Module, ...], fused: bool,
+                 tokens: RealTokens | None = None) -> tuple[torch.Tensor, ...]:
+        """`(B, L, D)` (or the `(N, D)` real tokens of `tokens`) -> one `(B, H, L, Dh)` tensor per projection; with the
+        packed fused matrix when it applies."""
         if fused and self.fused_inputs is not None and self.fused_inputs.uses_packed(x):
-            return self._heads(self.fused_inputs(x))
-        return tuple(self._heads(projection(x))[0] for projection in projections)
+            return self._heads(self.fused_inputs(x), tokens)
+        return tuple(self._head(projection(x), tokens) for projection in projections)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, L, n*D)` -> n tensors `(B, H, L, Dh)`."""
+    def _head(self, x: torch.Tensor, tokens: RealTokens | None = None) -> torch.Tensor:
+        """`(B, L, D)`, or `(N, D)` real tokens of `tokens`, -> `(B, H, L, Dh)`."""
+        if tokens is not None:
+            x = tokens.pad(x)
+        return x.view(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _heads(self, x: torch.Tensor, tokens: RealTokens | None = None) -> torch.Tensor:
+        """`(B, L, n*D)`, or `(N, n*D)` real tokens of `tokens`, -> n tensors `(B, H, L, Dh)`."""
+        if tokens is not None:
+            x = tokens.pad(x)
         batch, length = x.shape[:2]
         return x.view(batch, length, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
@@ -237,35 +247,43 @@ class VaswaniAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         output_attentions: bool = False,
+        tokens: RealTokens | None = None,
+        encoder_tokens: RealTokens | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """
         Args:
-            hidden_states: `(B, T, D)` queries (and keys/values for self-attention).
+            hidden_states: `(B, T, D)` queries (and keys/values for self-attention); or, with `tokens`, their `(N, D)`
+                real tokens (CPU training, `RealTokens`): the projections run on those, attention on the padded
+                `(B, T)` layout.
             key_value_states: `(B, S, D)` encoder output for encoder-decoder attention, else `None`. It may also be
                 `(B / k, S, D)`: one encoder row shared by k consecutive decoder rows, as `generate()` passes it for
                 the k beams (or samples) of each sentence (see `_grouped`).
             attention_mask: additive `(B, 1, T, T_k)` mask or `None` (`(B / k, 1, T, S)` with a shared encoder row).
             past_key_values: an `EncoderDecoderCache` during incremental decoding.
+            encoder_tokens: with `tokens`, the real tokens of the `(N_S, D)` `key_value_states`.
         Returns:
-            `(B, T, D)` output and, if `output_attentions`, the `(B, H, T, T_k)` attention probabilities.
+            `(B, T, D)` (with `tokens`: `(N, D)`) output and, if `output_attentions`, the `(B, H, T, T_k)` attention
+            probabilities.
         """
-        batch, length = hidden_states.shape[:2]
+        batch, length = (tokens.batch, tokens.length) if tokens is not None else hidden_states.shape[:2]
         groups = 1
         if self.is_cross_attention:
-            (query,) = self._heads(self.q_proj(hidden_states))
+            query = self._head(self.q_proj(hidden_states), tokens)
             cache = past_key_values.cross_attention_cache if past_key_values is not None else None
             if cache is not None and past_key_values.is_updated.get(self.layer_idx):
                 key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
             else:
-                key, value = self._project(key_value_states, (self.k_proj, self.v_proj), fused=True)
+                key, value = self._project(key_value_states, (self.k_proj, self.v_proj), fused=True,
+                                           tokens=encoder_tokens)
                 if cache is not None:
                     key, value = cache.update(key, value, self.layer_idx)
                     past_key_values.is_updated[self.layer_idx] = True
             if key.shape[0] != batch:
                 query, attention_mask, groups = self._grouped(query, key, attention_mask)
         else:
-            query, key, value = self._project(hidden_states, (self.q_proj, self.k_proj, self.v_proj), fused=True)
+            query, key, value = self._project(hidden_states, (self.q_proj, self.k_proj, self.v_proj), fused=True,
+                                              tokens=tokens)
             if past_key_values is not None:
                 cache = past_key_values
                 if isinstance(cache, EncoderDecoderCache):
@@ -292,7 +310,10 @@ class VaswaniAttention(nn.Module):
             dropout=self.dropout if self.training else 0.0,
             **kwargs,
         )
-        output = self.out_proj(output.reshape(batch, length, self.d_model))  # (B / k, k * T, H, Dh) is (B, T, D)
+        output = output.reshape(batch, length, self.d_model)  # (B / k, k * T, H, Dh) is (B, T, D)
+        if tokens is not None:
+            output = tokens.pack(output)  # (N, D)
+        output = self.out_proj(output)
         if output_attentions and groups > 1:  # (B / k, H, k * T, S) -> (B, H, T, S)
             probs = probs.unflatten(2, (groups, length)).transpose(1, 2).flatten(0, 1)
         return output, (probs if output_attentions else None)
@@ -353,7 +374,8 @@ class VaswaniEncoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_attentions: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(B, S, D)` -> `(B, S, D)`, and the self-attention probabilities if `output_attentions`."""
+        """`(B, S, D)` -> `(B, S, D)`, and the self-attention probabilities if `output_attentions`. With `tokens=`
+        (a `RealTokens`, CPU training) the hidden states are the `(N, D)` real tokens only."""
         residual = hidden_states
         if self.normalize_before:
             hidden_states = self.self_attn_layer_norm(hidden_states)
@@ -391,7 +413,8 @@ class VaswaniDecoderLayer(VaswaniEncoderLayer):
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`(B, T, D)` -> `(B, T, D)`, and self- and cross-attention probabilities if `output_attentions`."""
+        """`(B, T, D)` -> `(B, T, D)`, and self- and cross-attention probabilities if `output_attentions`. With
+        `tokens=` and `encoder_tokens=` (CPU training) the hidden and encoder states are `(N, D)` real tokens only."""
         sublayers = (
             (self.self_attn, self.self_attn_layer_norm, None, attention_mask),
             (self.encoder_attn, self.encoder_attn_layer_norm, encoder_hidden_states, encoder_attention_mask),
@@ -760,7 +783,8 @@ class VaswaniEncoder(nn.Module):
             attention_mask: `(B, S)`, 1 for tokens and 0 for padding.
         Returns:
             `BaseModelOutput` with `last_hidden_state` `(B, S, D)`; `hidden_states` (N + 1 tensors, the embeddings
-            first) and `attentions` (N tensors `(B, H, S, S)`) when asked for.
+            first) and `attentions` (N tensors `(B, H, S, S)`) when asked for. In CPU training the layers run on the
+            real tokens only (`RealTokens`), and `last_hidden_state` is 0 at padded positions.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("VaswaniEncoder: pass exactly one of input_ids or inputs_embeds.")
@@ -770,18 +794,23 @@ class VaswaniEncoder(nn.Module):
         batch, length = inputs_embeds.shape[:2]
         positions = _embed_positions(self.embed_positions, 0, length, length, inputs_embeds.device)  # (S, D)
         hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
-        hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
         mask = _padding_mask(attention_mask, hidden_states.dtype, length)
+        tokens = None if output_attentions or output_hidden_states else RealTokens.of(attention_mask, self)
+        if tokens is not None:
+            hidden_states = tokens.pack(hidden_states)  # (N, D)
+        hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
 
         all_hidden, all_attn = [], []
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden.append(hidden_states)
-            hidden_states, attn = layer(hidden_states, mask, output_attentions=output_attentions)
+            hidden_states, attn = layer(hidden_states, mask, output_attentions=output_attentions, tokens=tokens)
             if output_attentions:
                 all_attn.append(attn)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
+        if tokens is not None:
+            hidden_states = tokens.pad(hidden_states)  # (B, S, D)
         if output_hidden_states:
             all_hidden.append(hidden_states)
         return BaseModelOutput(
@@ -817,6 +846,7 @@ class VaswaniDecoder(nn.Module):
         use_cache: bool = False,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        labels: torch.Tensor | None = None,
         **kwargs,
     ) -> dict:
         """
@@ -825,6 +855,9 @@ class VaswaniDecoder(nn.Module):
                 or `inputs_embeds` `(B, T, D)`.
             attention_mask: `(B, T)` or `(B, P + T)` target padding mask (1 keep, 0 pad); causality is implied.
             encoder_hidden_states: `(B, S, D)`; encoder_attention_mask: `(B, S)`.
+            labels: `(B, T)` labels of a training step (-100: no loss), only to know which positions it needs: in CPU
+                training the layers run on each row's positions up to its last label, and on real source tokens,
+                only (`RealTokens`); `last_hidden_state` is then 0 at the positions left out.
         Returns:
             a dict with `last_hidden_state` `(B, T, D)`, `past_key_values`, and when asked for `hidden_states`,
             `attentions` `(B, H, T, P + T)` and `cross_attentions` `(B, H, T, S)` per layer.
@@ -846,10 +879,18 @@ class VaswaniDecoder(nn.Module):
         needed = past + length if isinstance(past, int) else key_length
         positions = _embed_positions(self.embed_positions, past, length, needed, inputs_embeds.device)  # (T, D)
         hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
-        hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
         self_mask = _causal_mask(attention_mask, batch, length, past, key_length, hidden_states.dtype,
                                  hidden_states.device)
         cross_mask = _padding_mask(encoder_attention_mask, hidden_states.dtype, length)
+        tokens = encoder_tokens = None
+        if past_key_values is None and not (output_attentions or output_hidden_states):
+            tokens = RealTokens.of_labels(labels, self)
+            encoder_tokens = RealTokens.of(encoder_attention_mask, self) if encoder_hidden_states is not None else None
+        if tokens is not None:
+            hidden_states = tokens.pack(hidden_states)  # (N, D)
+        if encoder_tokens is not None:
+            encoder_hidden_states = encoder_tokens.pack(encoder_hidden_states)  # (N_S, D)
+        hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
 
         all_hidden, all_self, all_cross = [], [], []
         for layer in self.layers:
@@ -857,12 +898,15 @@ class VaswaniDecoder(nn.Module):
                 all_hidden.append(hidden_states)
             hidden_states, self_attn, cross_attn = layer(
                 hidden_states, self_mask, encoder_hidden_states, encoder_attention_mask=cross_mask,
-                past_key_values=past_key_values if use_cache else None, output_attentions=output_attentions)
+                past_key_values=past_key_values if use_cache else None, output_attentions=output_attentions,
+                tokens=tokens, encoder_tokens=encoder_tokens)
             if output_attentions:
                 all_self.append(self_attn)
                 all_cross.append(cross_attn)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
+        if tokens is not None:
+            hidden_states = tokens.pad(hidden_states)  # (B, T, D)
         if output_hidden_states:
             all_hidden.append(hidden_states)
         return {
@@ -954,12 +998,15 @@ class VaswaniModel(VaswaniPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        labels: torch.LongTensor | None = None,
         **kwargs,
     ) -> Seq2SeqModelOutput:
         """
         Args:
             input_ids: `(B, S)` source ids; attention_mask: `(B, S)` (1 token, 0 padding).
             decoder_input_ids: `(B, T)` target ids starting with `decoder_start_token_id`.
+            labels: `(B, T)` labels of a training step, only to know which decoder positions it needs (see
+                `VaswaniDecoder.forward`); no loss is computed here.
             encoder_outputs: a previous encoder output to reuse (skips the encoder).
             past_key_values: `EncoderDecoderCache` for incremental decoding.
         Returns:
@@ -990,6 +1037,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            labels=labels,
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs["last_hidden_state"],
@@ -1261,7 +1309,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         Returns:
             `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the mean
             over labelled tokens of the cross-entropy (label-smoothed by `label_smoothing` when given: epsilon spread
-            uniformly over the vocabulary, torch's definition).
+            uniformly over the vocabulary, torch's definition). A CPU training step with `labels` computes only the
+            positions it needs (`RealTokens`): logits after a row's last label are then those of a zero state.
         """
         if labels is not None:
             use_cache = False
@@ -1293,6 +1342,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            labels=labels,
         )
         hidden_states = outputs.last_hidden_state
         if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):

@@ -1,0 +1,134 @@
+"""CPU training on the real tokens of a padded batch (`RealTokens`) computes what the padded layout computes.
+
+A training step on a CPU runs the position-wise layers on the real tokens only: the source positions the attention
+mask keeps, and each target row's positions up to its last label. With dropout off, the loss, every gradient and
+the logits at the positions that matter are those of the padded layout (`RealTokens.enabled = False`) to float
+rounding, in post-LN and pre-LN, with left- and right-padded sources and gaps in the labels, under gradient
+checkpointing and under bf16 autocast. Batches where it would change a result (a source row that is all padding) or
+gain nothing (no padding), and calls that need every position (eval, attention probabilities, hidden states),
+keep the padded layout.
+"""
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from vaswani_hf.kernels_vaswani import RealTokens
+
+
+def batch(seed: int = 0):
+    """Four sources of length 9: row 1 right-padded by 4, row 2 left-padded by 2; labels of length 7 with -100 at the
+    end of rows 0 and 2 and a -100 inside row 3 (a position without loss followed by labelled ones)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 99, (4, 9), generator=generator)
+    mask = torch.ones(4, 9, dtype=torch.long)
+    mask[1, 5:] = 0
+    mask[2, :2] = 0
+    ids[mask == 0] = 0
+    labels = torch.randint(4, 99, (4, 7), generator=generator)
+    labels[0, 4:] = -100
+    labels[2, 6:] = -100
+    labels[3, 2] = -100
+    return ids, mask, labels
+
+
+def step(model, ids, mask, labels, packed: bool, monkeypatch, **kwargs):
+    """One forward/backward in training mode; returns loss, logits, encoder output and the gradients."""
+    monkeypatch.setattr(RealTokens, "enabled", packed)
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1, **kwargs)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def needed_positions(labels):
+    return labels.ne(-100).flip(1).cumsum(1).flip(1) > 0
+
+
+@pytest.mark.parametrize("normalize_before", [False, True])
+def test_packed_step_equals_the_padded_step(normalize_before, monkeypatch):
+    model = make_tiny_model(dropout=0.0, normalize_before=normalize_before).train()
+    ids, mask, labels = batch()
+    packed, packed_grads = step(model, ids, mask, labels, True, monkeypatch)
+    padded, padded_grads = step(model, ids, mask, labels, False, monkeypatch)
+    torch.testing.assert_close(packed.loss, padded.loss, rtol=1e-6, atol=1e-6)
+    keep = needed_positions(labels)
+    torch.testing.assert_close(packed.logits[keep], padded.logits[keep], rtol=1e-5, atol=1e-5)
+    real = mask.bool()
+    torch.testing.assert_close(packed.encoder_last_hidden_state[real], padded.encoder_last_hidden_state[real],
+                               rtol=1e-5, atol=1e-5)
+    assert packed.encoder_last_hidden_state[~real].abs().max() == 0  # left-out positions are zeros
+    assert packed_grads.keys() == padded_grads.keys() and len(packed_grads) > 20
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_packed_step_really_runs_on_fewer_rows(monkeypatch):
+    """The FFN sees N rows (the real tokens), not B * L: 30 source and 24 target positions here, of 36 and 28."""
+    model = make_tiny_model(dropout=0.0).train()
+    ids, mask, labels = batch()
+    rows = []
+    handles = [layer.fc1.register_forward_hook(lambda module, args, out: rows.append(args[0].numel() // args[0].shape[-1]))
+               for layer in (model.model.encoder.layers[0], model.model.decoder.layers[0])]
+    step(model, ids, mask, labels, True, monkeypatch)
+    step(model, ids, mask, labels, False, monkeypatch)
+    for handle in handles:
+        handle.remove()
+    assert rows == [int(mask.sum()), int(needed_positions(labels).sum()), 4 * 9, 4 * 7]
+    assert rows[:2] == [30, 24]
+
+
+def test_packed_step_under_gradient_checkpointing_and_bf16(monkeypatch):
+    model = make_tiny_model(dropout=0.0).train()
+    ids, mask, labels = batch(1)
+    _, reference = step(model, ids, mask, labels, False, monkeypatch)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # 5.17
+    out, grads = step(model, ids, mask, labels, True, monkeypatch)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_packed, _ = step(model, ids, mask, labels, True, monkeypatch)
+        bf16_padded, _ = step(model, ids, mask, labels, False, monkeypatch)
+    torch.testing.assert_close(bf16_packed.loss, bf16_padded.loss, rtol=2e-2, atol=2e-2)
+
+
+def test_dropout_still_trains_and_differs_between_steps(monkeypatch):
+    model = make_tiny_model(dropout=0.1).train()
+    ids, mask, labels = batch()
+    first, grads = step(model, ids, mask, labels, True, monkeypatch)
+    second, _ = step(model, ids, mask, labels, True, monkeypatch)
+    assert torch.isfinite(first.loss) and first.loss != second.loss
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_padded_layout_where_packing_would_change_or_gain_nothing(monkeypatch):
+    model = make_tiny_model(dropout=0.0).train()
+    ids, mask, labels = batch()
+    calls = []
+    original = RealTokens.__init__
+
+    def recording(self, keep):
+        calls.append(tuple(keep.shape))
+        original(self, keep)
+
+    monkeypatch.setattr(RealTokens, "__init__", recording)
+    # a source row of padding only: its cross-attention is defined by the padded layout
+    empty = mask.clone()
+    empty[1] = 0
+    model(input_ids=ids, attention_mask=empty, labels=labels)
+    assert calls == [(4, 7)]  # the decoder still packs; the encoder does not
+    calls.clear()
+    # no padding anywhere
+    model(input_ids=ids, attention_mask=torch.ones_like(mask), labels=labels.clamp(min=4))
+    assert calls == []
+    # eval mode, attention probabilities, hidden states
+    model(input_ids=ids, attention_mask=mask, labels=labels, output_attentions=True)
+    model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
+    model.eval()
+    model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert calls == []
+    model.train()
+    model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert calls == [(4, 9), (4, 7), (4, 9)]  # encoder; decoder targets and its view of the source
