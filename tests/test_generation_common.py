@@ -200,7 +200,7 @@ def test_early_stopping_variants_search_longer_for_better_hypotheses():
     assert (best["never"] > best[True] + 1e-3).any()
 
 
-# --- the cache ----------------------------------------------------------------------------------------------------------
+# --- the cache --------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("beams", [1, 3])
@@ -250,7 +250,7 @@ def test_continuing_from_the_returned_cache_gives_the_tokens_of_one_call():
                                    rtol=1e-4, atol=1e-4)
 
 
-# --- inputs ---------------------------------------------------------------------------------------------------------------
+# --- inputs -----------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kwargs", [GREEDY, dict(num_beams=3)], ids=["greedy", "beam"])
@@ -267,7 +267,7 @@ def test_generating_from_inputs_embeds_equals_generating_from_input_ids(kwargs):
     assert not torch.equal(other, from_ids)  # the embeddings are what the encoder reads
 
 
-# --- assisted decoding -------------------------------------------------------------------------------------------------------
+# --- assisted decoding ------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("assistant", ["same", "other", "prompt_lookup"])
@@ -294,7 +294,7 @@ def test_assisted_decoding_gives_greedy_search_tokens(assistant):
         assert proposals  # the assistant ran
 
 
-# --- lengths and logits processors --------------------------------------------------------------------------------------------
+# --- lengths and logits processors ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kwargs", [GREEDY, dict(num_beams=3)], ids=["greedy", "beam"])
@@ -414,7 +414,7 @@ def test_no_repeat_ngram_size_forbids_repeated_ngrams(kwargs):
     assert not any(has_repeated_bigram(row) for row in out.tolist())
 
 
-# --- the generation config ----------------------------------------------------------------------------------------------------
+# --- the generation config --------------------------------------------------------------------------------------------
 
 
 def test_generation_config_round_trips_and_is_used(tmp_path):
@@ -440,7 +440,7 @@ def test_generation_config_round_trips_and_is_used(tmp_path):
     assert loaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3).shape[1] <= 4  # calls override it
 
 
-# --- compiled forward under beam search -------------------------------------------------------------------------------------
+# --- compiled forward under beam search -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("returned", [1, 3])
