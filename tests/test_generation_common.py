@@ -4,8 +4,9 @@ VaswaniForConditionalGeneration (written here: the transformers sdist does not s
 tests/test_generation.py covers greedy = argmax, the default decoding, cached = uncached, the padded batch (right
 padding), seeded sampling, the static cache and the compiled greedy step; this file adds the dictionary outputs of
 every decoding method, scores against the model's own logits, returned hypotheses, early stopping, the returned cache
-and continuing from it, `inputs_embeds`, assisted decoding, the length limits and the logits processors'
-effects, the saved generation config, and the compiled forward under beam search.
+and continuing from it, `inputs_embeds`, assisted decoding (greedy and sampling), a target prefix and
+`logits_to_keep`, the length limits and the logits processors' effects, the saved generation config, and the compiled
+forward under beam search.
 """
 
 import pytest
@@ -292,6 +293,46 @@ def test_assisted_decoding_gives_greedy_search_tokens(assistant):
         assert torch.equal(assisted, greedy)
     if assistant != "prompt_lookup":
         assert proposals  # the assistant ran
+
+
+def test_assisted_sampling_returns_one_step_per_token():
+    """Assisted decoding with sampling accepts several tokens per main-model call, yet reports one score and one
+    attention entry per generated token (query length 1, keys growing by one), and a seed reproduces it."""
+    model = make_tiny_model()
+    ids, mask = batch()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append(model.generate(input_ids=ids[:1], attention_mask=mask[:1], assistant_model=make_tiny_model(seed=4),
+                                   do_sample=True, num_beams=1, max_new_tokens=6, min_new_tokens=6, **EVERYTHING))
+    out = runs[0]
+    assert torch.equal(out.sequences, runs[1].sequences) and out.sequences.shape == (1, 7)
+    assert len(out.scores) == len(out.logits) == len(out.decoder_attentions) == len(out.cross_attentions) == 6
+    for step in range(6):
+        assert out.scores[step].shape == (1, VOCAB)
+        assert all(a.shape == (1, HEADS, 1, step + 1) for a in out.decoder_attentions[step])
+        assert all(a.shape == (1, HEADS, 1, ids.shape[1]) for a in out.cross_attentions[step])
+    tokens = out.sequences[0, 1:]
+    assert all(torch.isfinite(out.scores[step][0, tokens[step]]) for step in range(6))
+
+
+@pytest.mark.parametrize("kwargs", [GREEDY, dict(num_beams=3)], ids=["greedy", "beam"])
+def test_a_target_prefix_is_continued_and_only_its_last_logits_are_needed(kwargs):
+    """decoder_input_ids of several tokens: kept as the start of every row, the same continuation with and without
+    the cache, and the same with logits_to_keep=0 (all positions projected) as with generate()'s default of 1."""
+    model = make_tiny_model()
+    ids, mask = batch()
+    prefix = torch.tensor([[BOS, 30, 31]] * 3)
+    common = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, max_new_tokens=5, min_new_tokens=5,
+                  **kwargs)
+    out = model.generate(**common, return_dict_in_generate=True, output_logits=True)
+    assert out.sequences.shape == (3, 8) and torch.equal(out.sequences[:, :3], prefix)
+    assert torch.equal(model.generate(**common, use_cache=False), out.sequences)
+    assert torch.equal(model.generate(**common, logits_to_keep=0), out.sequences)
+    assert all(logits.shape == (3 * kwargs["num_beams"], VOCAB) for logits in out.logits)
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix).logits[:, -1]
+    torch.testing.assert_close(out.logits[0][:: kwargs["num_beams"]], first, rtol=1e-4, atol=1e-4)
 
 
 # --- lengths and logits processors ------------------------------------------------------------------------------------
