@@ -6,9 +6,11 @@ registry by `tests/_transformers_sdist.py` (`.ci/run` fetches it before the suit
 the whole module is skipped with the reason; VASWANI_REQUIRE_TRANSFORMERS_TESTS=1 (set by `.ci/run`) turns that skip
 into a failure. The sdist does not ship `tests/generation/test_utils.py`: GenerationTesterMixin runs only when
 VASWANI_TRANSFORMERS_TESTS points at a transformers `tests/` folder that has it (a git checkout of the same version).
+The generation behaviours it checks are checked in any case by tests/test_generation_common.py.
 
 Skips: the mixins' own conditional ones (no accelerator, no tensor-parallel plan, no RoPE, ...), which MarianMT and
-BART get on a CPU as well, and, where GenerationTesterMixin is unavailable, its inheritance check, with that reason.
+BART get on a CPU as well, and, where GenerationTesterMixin is unavailable, its inheritance check, with that reason
+(the sdist lacks the module for MarianMT and BART alike).
 """
 
 import os
@@ -119,7 +121,8 @@ class VaswaniModelTest(ModelTesterMixin, *GENERATION_BASES, unittest.TestCase):
 
     if not HAS_GENERATION_MIXIN:
         @unittest.skip("the transformers sdist does not ship tests/generation/test_utils.py (GenerationTesterMixin); "
-                       "set VASWANI_TRANSFORMERS_TESTS to a transformers tests/ folder that has it")
+                       "the behaviours it checks are checked by tests/test_generation_common.py; set "
+                       "VASWANI_TRANSFORMERS_TESTS to a transformers tests/ folder that has it to run the mixin itself")
         def test_generation_tester_mixin_inheritance(self):
             pass
 
