@@ -1,7 +1,7 @@
 """The faster paths of the model do what the plain ones do.
 
 - `apply_dropout` on a CPU (`CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
-- "sdpa" attention in bf16 on a CPU runs `half_precision_cpu_attention_forward` (fp32 scores; torch's CPU flash
+- "sdpa" attention in bf16, and in fp32 training steps, on a CPU runs `cpu_attention_forward` (fp32 scores; torch's CPU flash
   kernel is slow in bf16);
 - `VaswaniSelfAttentionCacheLayer` (keys and values written in place into a preallocated buffer) holds what
   transformers' `DynamicLayer` holds through updates, beam reorders, growth past its capacity, crops and batch
@@ -59,8 +59,8 @@ def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
     from vaswani_hf import modeling_vaswani
 
     calls = []
-    half = modeling_vaswani.half_precision_cpu_attention_forward
-    monkeypatch.setattr(modeling_vaswani, "half_precision_cpu_attention_forward",
+    half = modeling_vaswani.cpu_attention_forward
+    monkeypatch.setattr(modeling_vaswani, "cpu_attention_forward",
                         lambda module, query, *args, **kwargs: calls.append(query.dtype) or half(module, query, *args,
                                                                                                   **kwargs))
     ids, mask = padded_batch(length=9)
@@ -84,6 +84,34 @@ def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
     probs = torch.softmax(query.float() @ key.float().transpose(2, 3) * 8**-0.5, dim=-1)
     expected = (probs.bfloat16().float() @ value.float()).transpose(1, 2)
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_sdpa_in_fp32_training_on_cpu_runs_the_plain_kernel_with_sdpas_result(monkeypatch):
+    from vaswani_hf import modeling_vaswani
+
+    calls = []
+    plain = modeling_vaswani.cpu_attention_forward
+    monkeypatch.setattr(modeling_vaswani, "cpu_attention_forward",
+                        lambda module, query, *args, **kwargs: calls.append(query.dtype) or plain(module, query, *args,
+                                                                                                   **kwargs))
+    ids, mask = padded_batch(length=9)
+    labels = ids.masked_fill(mask.eq(0), -100)
+    model = make_tiny_model(attn_implementation="sdpa", dropout=0.0).train()
+    results = {}
+    for kernel in ("sdpa", "eager"):  # eager: the reference of Eq. 1, written out
+        model.config._attn_implementation = kernel
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        results[kernel] = loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert calls == [torch.float32] * 6  # 2 encoder + 2x2 decoder attentions, in the sdpa step only
+    torch.testing.assert_close(results["sdpa"][0], results["eager"][0], rtol=1e-6, atol=1e-6)
+    for got, expected in zip(results["sdpa"][1], results["eager"][1], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        model.config._attn_implementation = "sdpa"
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert len(calls) == 6  # no gradients: torch's SDPA
 
 
 def _steps(seed: int = 0, batch: int = 6, heads: int = 2, head_dim: int = 4, steps: int = 7):

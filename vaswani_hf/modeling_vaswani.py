@@ -38,11 +38,11 @@ from transformers.utils import logging
 try:
     from .configuration_vaswani import VaswaniConfig
     from .kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
-                                  VaswaniSelfAttentionCache, half_precision_cpu_attention_forward, packed_cpu_linears)
+                                  VaswaniSelfAttentionCache, cpu_attention_forward, packed_cpu_linears)
 except ImportError:  # loaded as a standalone file
     from configuration_vaswani import VaswaniConfig
     from kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
-                                 VaswaniSelfAttentionCache, half_precision_cpu_attention_forward, packed_cpu_linears)
+                                 VaswaniSelfAttentionCache, cpu_attention_forward, packed_cpu_linears)
 
 logger = logging.get_logger(__name__)
 
@@ -294,10 +294,12 @@ class VaswaniAttention(nn.Module):
         attention: Callable
         if output_attentions:  # attention probabilities exist only in the eager reference
             attention = eager_attention_forward
-        elif implementation == "sdpa" and query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
+        elif implementation == "sdpa" and query.device.type == "cpu" and (
+                query.dtype in (torch.bfloat16, torch.float16) or (self.training and torch.is_grad_enabled())):
             # torch's CPU flash-attention kernel in bf16 takes ~4x the time of this (forward and backward, B=64,
-            # H=8, T=32, on an AVX512-BF16 CPU: 21 ms vs 5-7 ms); fp32 and GPUs keep SDPA.
-            attention = half_precision_cpu_attention_forward
+            # H=8, T=32, on an AVX512-BF16 CPU: 21 ms vs 5-7 ms), and its fp32 backward is slower than plain
+            # matmuls at these lengths too; fp32 inference and GPUs keep SDPA.
+            attention = cpu_attention_forward
         else:
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         output, probs = attention(
