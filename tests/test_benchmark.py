@@ -91,11 +91,15 @@ def test_same_batch_for_both_models_with_padding_and_labels():
     assert first["input_ids"].masked_select(mask.eq(0)).eq(benchmark.PAD).all()
 
 
-def test_training_flops_count_every_matmul_exactly():
-    """The MFU numerator: `training_flops` equals torch's FLOP counter on a forward + backward of our model (eager
-    attention, whose matmuls the counter sees one by one; dropout off)."""
+def test_training_flops_count_every_matmul_exactly(monkeypatch):
+    """The CUDA MFU numerator: `training_flops` equals torch's FLOP counter on a forward + backward of our model on
+    the padded batch (eager attention, whose matmuls the counter sees one by one; dropout off). The padded layout is
+    what runs on a GPU; on a CPU training skips the padding (`RealTokens`), turned off here."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from vaswani_hf.kernels_vaswani import RealTokens
+
+    monkeypatch.setattr(RealTokens, "enabled", False)
     benchmark = load_benchmark()
     args = benchmark.parse_args(["--quick", "--attn", "eager", "--dropout", "0"])
     model = benchmark.build_model("ours", args).train()

@@ -1,9 +1,9 @@
 """CPU training on the real tokens of a padded batch (`RealTokens`) computes what the padded layout computes.
 
 A training step on a CPU runs the position-wise layers on the real tokens only: the source positions the attention
-mask keeps, and each target row's positions up to its last label. With dropout off, the loss, every gradient and
-the logits at the positions that matter are those of the padded layout (`RealTokens.enabled = False`) to float
-rounding, in post-LN and pre-LN, with left- and right-padded sources and gaps in the labels, under gradient
+mask keeps, each target row's positions up to its last label, and the output projection and loss the labelled
+positions. With dropout off, the loss, every gradient and the logits at labelled positions are those of the padded
+layout (`RealTokens.enabled = False`) to float rounding, in post-LN and pre-LN, with left- and right-padded sources and gaps in the labels, under gradient
 checkpointing and under bf16 autocast. Batches where it would change a result (a source row that is all padding) or
 gain nothing (no padding), and calls that need every position (eval, attention probabilities, hidden states),
 keep the padded layout.
@@ -53,8 +53,9 @@ def test_packed_step_equals_the_padded_step(normalize_before, monkeypatch):
     packed, packed_grads = step(model, ids, mask, labels, True, monkeypatch)
     padded, padded_grads = step(model, ids, mask, labels, False, monkeypatch)
     torch.testing.assert_close(packed.loss, padded.loss, rtol=1e-6, atol=1e-6)
-    keep = needed_positions(labels)
-    torch.testing.assert_close(packed.logits[keep], padded.logits[keep], rtol=1e-5, atol=1e-5)
+    labelled = labels.ne(-100)
+    torch.testing.assert_close(packed.logits[labelled], padded.logits[labelled], rtol=1e-5, atol=1e-5)
+    assert packed.logits[~labelled].abs().max() == 0  # the output projection ran on labelled positions only
     real = mask.bool()
     torch.testing.assert_close(packed.encoder_last_hidden_state[real], padded.encoder_last_hidden_state[real],
                                rtol=1e-5, atol=1e-5)
@@ -118,7 +119,7 @@ def test_padded_layout_where_packing_would_change_or_gain_nothing(monkeypatch):
     empty = mask.clone()
     empty[1] = 0
     model(input_ids=ids, attention_mask=empty, labels=labels)
-    assert calls == [(4, 7)]  # the decoder still packs; the encoder does not
+    assert calls == [(4, 7), (4, 7)]  # the decoder and the output projection still pack; the encoder does not
     calls.clear()
     # no padding anywhere
     model(input_ids=ids, attention_mask=torch.ones_like(mask), labels=labels.clamp(min=4))
@@ -131,4 +132,4 @@ def test_padded_layout_where_packing_would_change_or_gain_nothing(monkeypatch):
     assert calls == []
     model.train()
     model(input_ids=ids, attention_mask=mask, labels=labels)
-    assert calls == [(4, 9), (4, 7), (4, 9)]  # encoder; decoder targets and its view of the source
+    assert calls == [(4, 9), (4, 7), (4, 9), (4, 7)]  # encoder; decoder, its view of the source; labelled outputs

@@ -1312,7 +1312,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the mean
             over labelled tokens of the cross-entropy (label-smoothed by `label_smoothing` when given: epsilon spread
             uniformly over the vocabulary, torch's definition). A CPU training step with `labels` computes only the
-            positions it needs (`RealTokens`): logits after a row's last label are then those of a zero state.
+            positions it needs (`RealTokens`): logits are then 0 where the label is -100.
         """
         if labels is not None:
             use_cache = False
@@ -1350,13 +1350,22 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             hidden_states = hidden_states[:, kept]
-        logits = self.lm_head(hidden_states)  # (B, T, V)
+        every_position = (output_attentions if output_attentions is not None else self.config.output_attentions) or (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states)
+        labelled = RealTokens.of(labels.ne(-100), self) if labels is not None and not every_position else None
+        loss = None
+        if labelled is not None:  # CPU training: the output projection and the loss on labelled positions only
+            logits = self.lm_head(labelled.pack(hidden_states))  # (N, V)
+            loss = self.loss(logits[None], labelled.pack(labels[..., None])[None, :, 0], num_items_in_batch,
+                             label_smoothing=label_smoothing or 0.0)
+            logits = labelled.pad(logits)  # (B, T, V)
+        else:
+            logits = self.lm_head(hidden_states)  # (B, T, V)
         if first_step:
             logits = skipping.expand_first_step(past_key_values, logits)
         elif skipping is not None:
             logits = skipping.expand_logits(logits)
-        loss = None
-        if labels is not None:
+        if labels is not None and labelled is None:
             loss = self.loss(logits, labels, num_items_in_batch, label_smoothing=label_smoothing or 0.0)
         output = Seq2SeqLMOutput(
             loss=loss,
