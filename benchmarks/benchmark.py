@@ -11,7 +11,7 @@ all threads; less disturbed by other processes taking the cores, but it counts t
 
 Measured:
 
-* training: tokens/s of a whole step (forward, backward, Adam step, zero_grad) in train mode with dropout. The loss
+* training: tokens/s of a whole step (forward, backward, fused Adam step, zero_grad) in train mode with dropout. The loss
   is the same on both: by default plain cross-entropy (`--label-smoothing 0`), which is what Marian's forward
   computes from `labels` and what ours computes by default; ours gets `label_smoothing=`; with `--label-smoothing 0.1` Marian is
   called without labels and its loss is the same `F.cross_entropy(..., label_smoothing=0.1)` computed on its
@@ -33,7 +33,9 @@ Measured:
 * training MFU on any device: the training step's model FLOP/s counting real (non-padding) tokens only
   (`training_flops_real_tokens`, formula in its docstring) over the GEMM peak measured in the same run (the best
   median FLOP/s of a few large fp32 matmuls at the benchmark's threads, `measure_gemm_peak`), for ours and Marian,
-  at the paper's base dims and at the `cpu` preset's dims (`--no-mfu` skips it).
+  at the paper's base dims and at the `cpu` preset's dims (`--no-mfu` skips it). On a CPU our training step runs
+  its position-wise layers, output projection and loss on the real tokens only (`RealTokens` in
+  vaswani_hf/kernels_vaswani.py); MarianMTModel computes every padded position.
 * on CUDA: training MFU, model FLOPs per second over the device's peak dense bf16 FLOP/s (a table of known GPUs;
   `--peak-flops` for others). Model FLOPs of a training step are counted exactly for every matrix multiplication on
   the padded batch (projections, Q K^T, softmax x V, FFN, output projection over all target positions), times 3
@@ -183,7 +185,9 @@ def synchronize(args) -> None:
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)  # §5.3
+    """Adam with §5.3's betas and eps, fused (one kernel for all parameters), as `PaperTrainer` trains; the same for
+    both models."""
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
 
 
 def training_step(name: str, model, optimizer, batch, args) -> float:
