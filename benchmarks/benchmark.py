@@ -11,8 +11,8 @@ all threads; less disturbed by other processes taking the cores, but it counts t
 
 Measured:
 
-* training: tokens/s of a whole step (forward, backward, fused Adam step, zero_grad) in train mode with dropout. The loss
-  is the same on both: by default plain cross-entropy (`--label-smoothing 0`), which is what Marian's forward
+* training: tokens/s of a whole step (forward, backward, fused Adam step, zero_grad) in train mode with dropout. The
+  loss is the same on both: by default plain cross-entropy (`--label-smoothing 0`), which is what Marian's forward
   computes from `labels` and what ours computes by default; ours gets `label_smoothing=`; with `--label-smoothing 0.1` Marian is
   called without labels and its loss is the same `F.cross_entropy(..., label_smoothing=0.1)` computed on its
   logits, summed and divided by the number of labelled tokens, as ours does internally. Tokens are the labelled

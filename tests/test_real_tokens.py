@@ -3,8 +3,8 @@
 A training step on a CPU runs the position-wise layers on the real tokens only: the source positions the attention
 mask keeps, each target row's positions up to its last label, and the output projection and loss the labelled
 positions. With dropout off, the loss, every gradient and the logits at labelled positions are those of the padded
-layout (`RealTokens.enabled = False`) to float rounding, in post-LN and pre-LN, with left- and right-padded sources and gaps in the labels, under gradient
-checkpointing and under bf16 autocast. Batches where it would change a result (a source row that is all padding) or
+layout (`RealTokens.enabled = False`) to float rounding, in post-LN and pre-LN, with left- and right-padded sources and
+gaps in the labels, under gradient checkpointing and under bf16 autocast. Batches where it would change a result (a source row that is all padding) or
 gain nothing (no padding), and calls that need every position (eval, attention probabilities, hidden states),
 keep the padded layout.
 """
@@ -70,7 +70,11 @@ def test_the_packed_step_really_runs_on_fewer_rows(monkeypatch):
     model = make_tiny_model(dropout=0.0).train()
     ids, mask, labels = batch()
     rows = []
-    handles = [layer.fc1.register_forward_hook(lambda module, args, out: rows.append(args[0].numel() // args[0].shape[-1]))
+
+    def count_rows(module, args, out):
+        rows.append(args[0].numel() // args[0].shape[-1])
+
+    handles = [layer.fc1.register_forward_hook(count_rows)
                for layer in (model.model.encoder.layers[0], model.model.decoder.layers[0])]
     step(model, ids, mask, labels, True, monkeypatch)
     step(model, ids, mask, labels, False, monkeypatch)

@@ -1,8 +1,8 @@
 """The faster paths of the model do what the plain ones do.
 
 - `apply_dropout` on a CPU (`CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
-- "sdpa" attention in bf16, and in fp32 training steps, on a CPU runs `cpu_attention_forward` (fp32 scores; torch's CPU flash
-  kernel is slow in bf16);
+- "sdpa" attention on a CPU in bf16, and in fp32 training steps, runs `cpu_attention_forward` (fp32 scores; torch's
+  CPU flash kernel is slow in bf16 and in its fp32 backward);
 - `VaswaniSelfAttentionCacheLayer` (keys and values written in place into a preallocated buffer) holds what
   transformers' `DynamicLayer` holds through updates, beam reorders, growth past its capacity, crops and batch
   selections, and `generate()` uses it unless given another cache.

@@ -298,7 +298,7 @@ def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection
             attention.__dict__.pop("fused_inputs", None)
 
 
-# Training without computing on padding ---------------------------------------------------------------------------------
+# Training without computing on padding --------------------------------------------------------------------------------
 
 
 class RealTokens:

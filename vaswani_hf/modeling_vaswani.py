@@ -10,9 +10,9 @@ The file reads top to bottom like §3 of the paper:
     §3.4  shared embeddings and softmax .. VaswaniModel, VaswaniForConditionalGeneration
     §5.4  loss (label smoothing on request) VaswaniForConditionalGeneration.forward
 
-The CPU kernels (the cheaper dropout mask, bf16 CPU attention, oneDNN-packed linears, the in-place decoding cache,
-training on the real tokens of a padded batch) live beside it in `kernels_vaswani.py`. It imports only torch, transformers, `configuration_vaswani.py` and
-`kernels_vaswani.py`: the three files are copied to the Hub and loaded there with `trust_remote_code=True`.
+The CPU kernels (the cheaper dropout mask, CPU attention, oneDNN-packed linears, the in-place decoding cache, training
+on the real tokens of a padded batch) live beside it in `kernels_vaswani.py`. It imports only torch, transformers,
+`configuration_vaswani.py` and `kernels_vaswani.py`: the three files are copied to the Hub and loaded there with `trust_remote_code=True`.
 
 Shapes in comments: B batch, S source length, T target length (new tokens), P past (cached) target length,
 D d_model, H heads, Dh = D / H, V vocabulary.
