@@ -110,6 +110,33 @@ def test_a_machine_that_slows_down_is_stopped_by_the_budget(clock):
     assert clock.now - 1000 + planner.final_seconds() <= 300 + 5.0
 
 
+def test_a_run_that_falls_behind_in_the_cooldown_ends_sooner_with_lr_0(clock):
+    """Steps slow down by half once the cooldown has begun: re-plans move the end sooner (never later), training
+    stops at the plan rather than at the safety stop, the schedule reaches 0 there, and the budget holds."""
+    sched = _schedule()
+    planner = BudgetPlanner(10, 10_000, cooldown_fraction=0.2, start=clock.now, replan_every=10)
+    args = SimpleNamespace(eval_steps=None, eval_strategy="no")
+    state, control = TrainerState(), TrainerControl()
+    step, first_plan, ends = 0, None, []
+    while not control.should_training_stop:
+        step += 1
+        slow = first_plan is not None and step > first_plan - planner.cooldown_steps // 2
+        clock.now += 0.75 if slow else 0.5
+        sched.optimizer.step()
+        sched.step()
+        state.global_step = step
+        planner.on_step_end(args, state, control, lr_scheduler=sched)
+        if planner.planned_steps is not None:
+            first_plan = first_plan or planner.planned_steps
+            ends.append(planner.planned_steps)
+    assert step == planner.planned_steps < first_plan  # stopped by the plan, which moved sooner
+    cooldown_ends = ends[ends.index(first_plan):]
+    assert all(later <= earlier for earlier, later in zip(cooldown_ends, cooldown_ends[1:], strict=False))
+    lam = sched.lr_lambdas[0]
+    assert lam(step - 1) > 0 and lam(step) == 0.0
+    assert clock.now - 1000 + planner.final_seconds() <= 600
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="positive number of minutes"):
         BudgetPlanner(0, 100)

@@ -12,8 +12,9 @@ learning rate. `BudgetPlanner` instead:
    preset's `max_steps`;
 3. ends the learning-rate schedule there: Eq. 3 of the paper, then a linear cooldown to 0 over the last
    `cooldown_fraction` of the planned updates (`vaswani_hf.schedule.cooldown_learning_rate`);
-4. re-plans after every validation run and every `replan_every` steps with the speed measured so far, until the
-   cooldown starts (from then on the end is fixed), and stops training at the planned update.
+4. re-plans after every validation run and every `replan_every` steps with the speed measured so far (once the
+   cooldown has started, only to end sooner if the run falls behind: the lr still reaches 0 at the end), and stops
+   training at the planned update; a safety stop at the budget catches what planning could not.
 
 It prints the plan (precision and why, threads, step time, planned steps and minutes) when it is made and whenever
 it changes by more than 2 %.
@@ -118,9 +119,13 @@ class BudgetPlanner(TrainerCallback):
         planned = min(self.max_steps, step + max(0, int(left / per_step)))
         planned = max(planned, step + 1)
         cooldown = min(int(round(planned * self.cooldown_fraction)), planned - 1)
-        if self.planned_steps is not None and step > self.planned_steps - self.cooldown_steps:
-            return self.planned_steps  # in the cooldown: the end is fixed
         changed = self.planned_steps is None or abs(planned - self.planned_steps) > 0.02 * self.planned_steps
+        if self.planned_steps is not None and step > self.planned_steps - self.cooldown_steps:
+            # In the cooldown the end never moves later; if the run has fallen behind, it moves sooner from the same
+            # cooldown start (the learning rate drops a little, then still reaches 0 at the new end).
+            if planned >= self.planned_steps:
+                return self.planned_steps
+            cooldown = planned - (self.planned_steps - self.cooldown_steps)
         self.planned_steps, self.cooldown_steps = planned, cooldown
         for fn in lambdas:
             if hasattr(fn, "set_cooldown"):
