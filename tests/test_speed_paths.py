@@ -55,16 +55,26 @@ def test_cpu_dropout_is_seeded_identity_in_eval_and_keeps_the_dtype():
     assert apply_dropout(torch.empty(0, 4), 0.1, training=True).shape == (0, 4)
 
 
-def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
+def record_cpu_attention(monkeypatch) -> tuple[list, object]:
+    """Record the query dtype of every `cpu_attention_forward` call; returns the record and the real function."""
     from vaswani_hf import modeling_vaswani
 
     calls = []
-    half = modeling_vaswani.cpu_attention_forward
+    real = modeling_vaswani.cpu_attention_forward
     monkeypatch.setattr(modeling_vaswani, "cpu_attention_forward",
-                        lambda module, query, *args, **kwargs: calls.append(query.dtype) or half(module, query, *args,
+                        lambda module, query, *args, **kwargs: calls.append(query.dtype) or real(module, query, *args,
                                                                                                   **kwargs))
+    return calls, real
+
+
+def labelled_batch():
     ids, mask = padded_batch(length=9)
-    labels = ids.masked_fill(mask.eq(0), -100)
+    return ids, mask, ids.masked_fill(mask.eq(0), -100)
+
+
+def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
+    calls, half = record_cpu_attention(monkeypatch)
+    ids, mask, labels = labelled_batch()
     model = make_tiny_model(attn_implementation="sdpa")
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask, labels=labels)
@@ -87,15 +97,8 @@ def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
 
 
 def test_sdpa_in_fp32_training_on_cpu_runs_the_plain_kernel_with_sdpas_result(monkeypatch):
-    from vaswani_hf import modeling_vaswani
-
-    calls = []
-    plain = modeling_vaswani.cpu_attention_forward
-    monkeypatch.setattr(modeling_vaswani, "cpu_attention_forward",
-                        lambda module, query, *args, **kwargs: calls.append(query.dtype) or plain(module, query, *args,
-                                                                                                   **kwargs))
-    ids, mask = padded_batch(length=9)
-    labels = ids.masked_fill(mask.eq(0), -100)
+    calls, _ = record_cpu_attention(monkeypatch)
+    ids, mask, labels = labelled_batch()
     model = make_tiny_model(attn_implementation="sdpa", dropout=0.0).train()
     results = {}
     for kernel in ("sdpa", "eager"):  # eager: the reference of Eq. 1, written out
