@@ -179,6 +179,30 @@ def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, 
     assert tail[-1] == pytest.approx(lrs[11] / 13, rel=1e-3)
 
 
+@pytest.mark.parametrize("flags, capability, onednn_isa, native", [
+    ("fpu avx2 avx512f avx512_bf16", "AVX512", None, True),
+    ("fpu avx2 amx_bf16", "AVX512", "ALL", True),
+    ("fpu avx2 avx512f avx512_bf16", "AVX2", None, False),  # ATEN_CPU_CAPABILITY=avx2
+    ("fpu avx2 avx512f avx512_bf16", "AVX512", "AVX2", False),  # ONEDNN_MAX_CPU_ISA=AVX2
+    ("fpu avx2 avx512f", "AVX512", None, False),  # no bf16 instructions at all
+])
+def test_native_bf16_follows_the_cpu_flags_and_the_restrictions(monkeypatch, tmp_path, flags, capability, onednn_isa,
+                                                                native):
+    """`cpu_has_native_bf16` on any CPU, with /proc/cpuinfo's flags and torch's capability stood in for."""
+    import training.common as common
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor : 0\nflags : {flags}\n")
+    real_path = common.Path
+    monkeypatch.setattr(common, "Path", lambda path: cpuinfo if path == "/proc/cpuinfo" else real_path(path))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    if onednn_isa is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn_isa)
+    assert common.cpu_has_native_bf16() is native
+
+
 def _cpu_flags() -> str:
     try:
         return open("/proc/cpuinfo").read()
@@ -187,7 +211,8 @@ def _cpu_flags() -> str:
 
 
 @pytest.mark.skipif("avx512_bf16" not in _cpu_flags(),
-                    reason="needs a CPU with avx512_bf16 to show that a restriction turns native bf16 off")
+                    reason="the real-hardware check needs a CPU with avx512_bf16 (on others bf16 is never native, and "
+                           "test_native_bf16_follows_the_cpu_flags_and_the_restrictions covers the logic)")
 def test_an_instruction_set_restriction_turns_native_bf16_off():
     """ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 measure a plain AVX2 machine on one that has more: the run
     must then choose fp32, as it would there."""
