@@ -223,8 +223,8 @@ class VaswaniAttention(nn.Module):
                  tokens: RealTokens | None = None) -> tuple[torch.Tensor, ...]:
         """`(B, L, D)` (or the `(N, D)` real tokens of `tokens`) -> one `(B, H, L, Dh)` tensor per projection; with the
         packed fused matrix when it applies."""
-        if fused and self.fused_inputs is not None and self.fused_inputs.uses_packed(x):
-            return self._heads(self.fused_inputs(x), tokens)
+        if fused and tokens is None and self.fused_inputs is not None and self.fused_inputs.uses_packed(x):
+            return self._heads(self.fused_inputs(x))
         return tuple(self._head(projection(x), tokens) for projection in projections)
 
     def _head(self, x: torch.Tensor, tokens: RealTokens | None = None) -> torch.Tensor:
@@ -233,10 +233,8 @@ class VaswaniAttention(nn.Module):
             x = tokens.pad(x)
         return x.view(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
 
-    def _heads(self, x: torch.Tensor, tokens: RealTokens | None = None) -> torch.Tensor:
-        """`(B, L, n*D)`, or `(N, n*D)` real tokens of `tokens`, -> n tensors `(B, H, L, Dh)`."""
-        if tokens is not None:
-            x = tokens.pad(x)
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, L, n*D)` -> n tensors `(B, H, L, Dh)`."""
         batch, length = x.shape[:2]
         return x.view(batch, length, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
@@ -1350,13 +1348,12 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             hidden_states = hidden_states[:, kept]
-        every_position = (output_attentions if output_attentions is not None else self.config.output_attentions) or (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states)
+        every_position = outputs.decoder_attentions is not None or outputs.decoder_hidden_states is not None
         labelled = RealTokens.of(labels.ne(-100), self) if labels is not None and not every_position else None
         loss = None
         if labelled is not None:  # CPU training: the output projection and the loss on labelled positions only
             logits = self.lm_head(labelled.pack(hidden_states))  # (N, V)
-            loss = self.loss(logits[None], labelled.pack(labels[..., None])[None, :, 0], num_items_in_batch,
+            loss = self.loss(logits[None], labels.reshape(-1)[labelled.index][None], num_items_in_batch,
                              label_smoothing=label_smoothing or 0.0)
             logits = labelled.pad(logits)  # (B, T, V)
         else:
