@@ -104,7 +104,7 @@ class VaswaniConfig(PretrainedConfig):
     """
 
     model_type = "vaswani"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     attribute_map = {
         "hidden_size": "d_model",
         "num_attention_heads": "num_heads",

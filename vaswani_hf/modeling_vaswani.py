@@ -21,6 +21,7 @@ D d_model, H heads, Dh = D / H, V vocabulary.
 import contextlib
 import copy
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,24 @@ except ImportError:  # loaded as a standalone file
                                  VaswaniSelfAttentionCache, cpu_attention_forward, packed_cpu_linears)
 
 logger = logging.get_logger(__name__)
+
+# transformers 5.24 renamed `past_key_values` to `cache` (model keyword, `generate()`'s model_kwargs, output field) and
+# keeps the old name as a deprecated alias; the model takes either and speaks the installed version's name.
+CACHE_NAME = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
+
+
+def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+    """The cache passed as `past_key_values=` (transformers < 5.24) or `cache=` (>= 5.24).
+
+    Raises:
+        ValueError: when both are given.
+    """
+    if past_key_values is not None and cache is not None:
+        raise ValueError("Pass the cache once: as `cache=` (transformers >= 5.24) or as `past_key_values=`, not both.")
+    if past_key_values is not None and CACHE_NAME == "cache":
+        warnings.warn("`past_key_values` is deprecated (transformers >= 5.24): use `cache` instead.", FutureWarning,
+                      stacklevel=3)
+    return cache if cache is not None else past_key_values
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -844,6 +863,7 @@ class VaswaniDecoder(nn.Module):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = False,
+        cache: Cache | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         labels: torch.Tensor | None = None,
@@ -859,9 +879,11 @@ class VaswaniDecoder(nn.Module):
                 training the layers run on each row's positions up to its last label, and on real source tokens,
                 only (`RealTokens`); `last_hidden_state` is then 0 at the positions left out.
         Returns:
-            a dict with `last_hidden_state` `(B, T, D)`, `past_key_values`, and when asked for `hidden_states`,
+            a dict with `last_hidden_state` `(B, T, D)`, `past_key_values` (the cache, whichever keyword brought
+            it: `cache=` as transformers >= 5.24 names it, or `past_key_values=`), and when asked for `hidden_states`,
             `attentions` `(B, H, T, P + T)` and `cross_attentions` `(B, H, T, S)` per layer.
         """
+        past_key_values = _one_cache(past_key_values, cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("VaswaniDecoder: pass exactly one of decoder_input_ids or decoder_inputs_embeds.")
         if inputs_embeds is None:
@@ -995,6 +1017,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        cache: Cache | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
@@ -1008,10 +1031,12 @@ class VaswaniModel(VaswaniPreTrainedModel):
             labels: `(B, T)` labels of a training step, only to know which decoder positions it needs (see
                 `VaswaniDecoder.forward`); no loss is computed here.
             encoder_outputs: a previous encoder output to reuse (skips the encoder).
-            past_key_values: `EncoderDecoderCache` for incremental decoding.
+            past_key_values: `EncoderDecoderCache` for incremental decoding; `cache=` as transformers >= 5.24 names it
+                (either name, not both: ValueError).
         Returns:
             `Seq2SeqModelOutput` with `last_hidden_state` `(B, T, D)` from the decoder and the encoder's output.
         """
+        past_key_values = _one_cache(past_key_values, cache)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else self.config.output_hidden_states)
@@ -1032,7 +1057,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=past_key_values,
             inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
@@ -1041,7 +1066,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         )
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs["last_hidden_state"],
-            past_key_values=decoder_outputs["past_key_values"],
+            **{CACHE_NAME: decoder_outputs["past_key_values"]},
             decoder_hidden_states=decoder_outputs["hidden_states"],
             decoder_attentions=decoder_outputs["attentions"],
             cross_attentions=decoder_outputs["cross_attentions"],
@@ -1194,12 +1219,12 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         so that no step copies the cached positions except a beam reorder. A cache the caller passed, or another
         `cache_implementation`, is left as transformers made it."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_NAME)
         if (isinstance(cache, EncoderDecoderCache) and not getattr(cache, "_is_user_defined", False)
                 and type(cache.self_attention_cache) is DynamicCache and cache.get_seq_length() == 0
                 and generation_config.cache_implementation in (None, "dynamic")):
             capacity = kwargs.get("max_cache_length", args[-1] if args else 0)
-            model_kwargs["past_key_values"] = EncoderDecoderCache(
+            model_kwargs[CACHE_NAME] = EncoderDecoderCache(
                 VaswaniSelfAttentionCache(capacity if isinstance(capacity, int) else 0), cache.cross_attention_cache)
 
     def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -1208,7 +1233,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         scores, attentions or cache either) and beams are not sampled, the decoding steps leave the sentences that beam
         search has finished out of the batch (`FinishedSentenceSkipping`): the same sequences, computed for the open
         sentences only. `skip_finished_sentences = False` (the class attribute) turns that off."""
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_NAME)
         encoder_outputs = model_kwargs.get("encoder_outputs")
         states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
         beams = generation_config.num_beams or 1
@@ -1283,6 +1308,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -1310,8 +1336,12 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the mean
             over labelled tokens of the cross-entropy (label-smoothed by `label_smoothing` when given: epsilon spread
             uniformly over the vocabulary, torch's definition). A CPU training step with `labels` computes only the
-            positions it needs (`RealTokens`): logits are then 0 where the label is -100.
+            positions it needs (`RealTokens`): logits are then 0 where the label is -100. The cache, passed as
+            `cache=` (transformers >= 5.24) or `past_key_values=`, is returned under the installed version's name.
+        Raises:
+            ValueError: both `cache` and `past_key_values` given.
         """
+        past_key_values = _one_cache(past_key_values, cache)
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -1336,7 +1366,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
+            cache=past_key_values,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
@@ -1367,7 +1397,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         output = Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,
