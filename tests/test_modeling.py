@@ -2,6 +2,7 @@
 and the behaviour transformers' common model tests expect (save/load, tied weights, resizing, batching)."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import vaswani_hf.modeling_vaswani as modeling
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
-from vaswani_hf.modeling_vaswani import shift_tokens_right, sinusoidal_table
+from vaswani_hf.modeling_vaswani import CACHE_NAME, shift_tokens_right, sinusoidal_table
 
 ATOL = 1e-5
 
@@ -207,22 +208,34 @@ def test_learned_positions_refuse_too_long_inputs():
 # Cache and incremental decoding -------------------------------------------------------------------------------------
 
 
-def test_incremental_decoding_with_the_cache_matches_a_full_forward():
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_incremental_decoding_with_the_cache_matches_a_full_forward(name):
+    """Under either name of the cache keyword: `past_key_values` (transformers < 5.24) or `cache` (>= 5.24)."""
     model = make_tiny_model()
     ids, mask = padded_batch(length=9)
     target = torch.randint(4, 99, (3, 7))
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old name is deprecated on 5.24+
         full = model(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
         encoder_outputs = model.get_encoder()(input_ids=ids, attention_mask=mask)
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         steps = []
         for t in range(7):
             out = model(encoder_outputs=encoder_outputs, attention_mask=mask, decoder_input_ids=target[:, t: t + 1],
-                        past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+                        use_cache=True, **{name: cache})
+            cache = getattr(out, CACHE_NAME)
             steps.append(out.logits)
     assert isinstance(cache, EncoderDecoderCache) and cache.get_seq_length() == 7
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
+
+
+def test_the_cache_under_both_names_is_refused():
+    model = make_tiny_model()
+    ids, mask = padded_batch(length=9)
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    with pytest.raises(ValueError, match="Pass the cache once"):
+        model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :1], use_cache=True, cache=cache,
+              past_key_values=cache)
 
 
 # Training: gradient checkpointing, loss, Trainer ----------------------------------------------------------------------
