@@ -78,6 +78,7 @@ from transformers import GenerationConfig, MarianConfig, MarianMTModel  # noqa: 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from vaswani_hf.configuration_vaswani import VaswaniConfig  # noqa: E402
+from vaswani_hf.kernels_vaswani import has_onednn_linear, cpu_training_matmul  # noqa: E402
 from vaswani_hf.modeling_vaswani import VaswaniForConditionalGeneration  # noqa: E402
 
 hf_logging.set_verbosity_error()
@@ -324,25 +325,36 @@ def training_flops_real_tokens(args, batch: dict[str, torch.Tensor], d: int | No
 
 def measure_gemm_peak(args, repetitions: int = 5) -> dict:
     """The device's fp32 (or --dtype) matmul throughput, measured now with the benchmark's threads: the best median
-    FLOP/s over square and transformer-shaped products (2 m n k FLOPs each). The CPU MFU's denominator."""
+    FLOP/s over square and transformer-shaped products (2 m n k FLOPs each). The CPU MFU's denominator.
+
+    On a CPU each product runs in both libraries torch has for it, its default BLAS (`a @ b`: MKL on x86 builds) and
+    oneDNN (the `_linear_pointwise` operator that our CPU training linears use where it is faster,
+    `kernels_vaswani.cpu_training_matmul`), and the peak is the best of either: MKL runs AVX2 code on non-Intel CPUs,
+    so on an AVX-512 AMD CPU oneDNN's peak is the machine's."""
     shapes = [(2048, 1024, 1024), (2048, 2048, 2048), (4096, 512, 2048), (4096, 2048, 512), (2048, 512, 8000)]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    best, rows = 0.0, []
+    libraries = {"blas": lambda a, b: a @ b}
+    if args.device == "cpu" and dtype == torch.float32 and has_onednn_linear():
+        libraries["onednn"] = lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+    best, rows, by_library = 0.0, [], dict.fromkeys(libraries, 0.0)
     for m, k, n in shapes:
         a = torch.randn(m, k, device=args.device, dtype=dtype)
         b = torch.randn(k, n, device=args.device, dtype=dtype)
-        a @ b
-        times = []
-        for _ in range(repetitions):
-            synchronize(args)
-            start = time.perf_counter()
-            a @ b
-            synchronize(args)
-            times.append(time.perf_counter() - start)
-        rate = 2 * m * n * k / statistics.median(times)
-        rows.append({"shape": [m, k, n], "flops_per_s": rate})
-        best = max(best, rate)
-    return {"peak_flops_per_s": best, "shapes": rows, "dtype": str(dtype).replace("torch.", "")}
+        for library, product in libraries.items():
+            product(a, b)
+            times = []
+            for _ in range(repetitions):
+                synchronize(args)
+                start = time.perf_counter()
+                product(a, b)
+                synchronize(args)
+                times.append(time.perf_counter() - start)
+            rate = 2 * m * n * k / statistics.median(times)
+            rows.append({"shape": [m, k, n], "library": library, "flops_per_s": rate})
+            by_library[library] = max(by_library[library], rate)
+            best = max(best, rate)
+    return {"peak_flops_per_s": best, "by_library": by_library, "shapes": rows,
+            "dtype": str(dtype).replace("torch.", "")}
 
 
 # The sizes at which the CPU MFU is reported: the paper's base model and the `cpu` preset of training/common.py.
@@ -608,8 +620,11 @@ def print_report(results: dict) -> None:
         peak = mfu["gemm_peak"]
         print()
         print(f"training model FLOP/s against the {peak['dtype']} GEMM peak measured in this run "
-              f"({peak['peak_flops_per_s'] / 1e9:.1f} GFLOP/s); FLOPs = 3 x forward matmul FLOPs over real "
-              f"(non-padding) tokens only (training_flops_real_tokens):")
+              f"({peak['peak_flops_per_s'] / 1e9:.1f} GFLOP/s, the best of " + ", ".join(
+                  f"{library} {rate / 1e9:.1f}" for library, rate in peak.get("by_library", {}).items())
+              + "); FLOPs = 3 x forward matmul FLOPs over real (non-padding) tokens only (training_flops_real_tokens)"
+              + (f"; our training linears multiply with {results['cpu_training_matmul']}, Marian's with blas"
+                 if results.get("cpu_training_matmul") else "") + ":")
         print(f"{'dims':>6s} {'real/padded tokens':>19s} {'ours GFLOP/s':>13s} {'of peak':>8s} {'Marian GFLOP/s':>15s} "
               f"{'of peak':>8s} {'ours/Marian':>12s}")
         for label, row in mfu["sizes"].items():
@@ -673,6 +688,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--no-mfu", action="store_true",
                      help="skip the GEMM-peak measurement and the training MFU at base and cpu-preset dims")
+    run.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                     help="keep: glibc's malloc keeps freed memory for reuse (training.common.keep_freed_memory, as "
+                          "vaswani-train does), for both models' speed measurements; default: glibc's defaults. The "
+                          "memory measurements run in fresh processes with their own setting")
     run.add_argument("--quick", action="store_true", help="a tiny model and few repetitions (seconds)")
     run.add_argument("--output", default="benchmark.json", help="JSON file with all measurements")
     run.add_argument("--plot", default=None, help="PNG file for the scaling plots")
@@ -719,14 +738,23 @@ def main(argv=None) -> dict | None:
     if args.memory_child:
         print(json.dumps(memory_child(args)))
         return None
+    kept = False
+    if args.malloc == "keep":
+        from training.common import keep_freed_memory
+
+        kept = keep_freed_memory()
     torch.manual_seed(args.seed)
     models = {name: build_model(name, args) for name in MODELS}
     parameters = {name: count_parameters(model) for name, model in models.items()}
     device = device_name(args)
     print(f"device {device}, {torch.get_num_threads()} threads, torch {torch.__version__}; parameters "
-          f"ours {parameters['ours']:,}, Marian {parameters['marian']:,}", flush=True)
+          f"ours {parameters['ours']:,}, Marian {parameters['marian']:,}; glibc malloc keeps freed memory: "
+          f"{'yes' if kept else 'no'} (--malloc {args.malloc})", flush=True)
     started = time.perf_counter()
     results = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "malloc_keeps_freed_memory": kept,
+               # the library of our fp32 CPU training linears (bf16 autocast and CUDA do not use that path)
+               "cpu_training_matmul": cpu_training_matmul() if args.device == "cpu" and args.dtype == "fp32" else None,
                "parameters": parameters, "settings": {k: v for k, v in vars(args).items() if k != "memory_child"}}
     import transformers
 

@@ -94,12 +94,15 @@ def test_same_batch_for_both_models_with_padding_and_labels():
 def test_training_flops_count_every_matmul_exactly(monkeypatch):
     """The CUDA MFU numerator: `training_flops` equals torch's FLOP counter on a forward + backward of our model on
     the padded batch (eager attention, whose matmuls the counter sees one by one; dropout off). The padded layout is
-    what runs on a GPU; on a CPU training skips the padding (`RealTokens`), turned off here."""
+    what runs on a GPU; on a CPU training skips the padding (`RealTokens`), turned off here, and may multiply in
+    oneDNN, whose operator the counter does not know: torch's BLAS here."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from vaswani_hf import kernels_vaswani
     from vaswani_hf.kernels_vaswani import RealTokens
 
     monkeypatch.setattr(RealTokens, "enabled", False)
+    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "blas")
     benchmark = load_benchmark()
     args = benchmark.parse_args(["--quick", "--attn", "eager", "--dropout", "0"])
     model = benchmark.build_model("ours", args).train()
@@ -110,11 +113,15 @@ def test_training_flops_count_every_matmul_exactly(monkeypatch):
                                                                  batch["labels"].shape)
 
 
-def test_real_token_flops_equal_the_counter_on_unpadded_sentences():
+def test_real_token_flops_equal_the_counter_on_unpadded_sentences(monkeypatch):
     """The CPU MFU numerator counts real tokens only: on a batch of one sentence per row length (no padding) it is
-    torch's FLOP count of forward + backward; adding padding to the same sentences does not change it."""
+    torch's FLOP count of forward + backward (torch's BLAS products: the counter does not know oneDNN's operator);
+    adding padding to the same sentences does not change it."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from vaswani_hf import kernels_vaswani
+
+    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "blas")
     benchmark = load_benchmark()
     args = benchmark.parse_args(["--quick", "--attn", "eager", "--dropout", "0"])
     model = benchmark.build_model("ours", args).train()

@@ -5,7 +5,9 @@
   CPU flash kernel is slow in bf16 and in its fp32 backward);
 - `VaswaniSelfAttentionCacheLayer` (keys and values written in place into a preallocated buffer) holds what
   transformers' `DynamicLayer` holds through updates, beam reorders, growth past its capacity, crops and batch
-  selections, and `generate()` uses it unless given another cache.
+  selections, and `generate()` uses it unless given another cache;
+- fp32 CPU training linears in oneDNN (where `cpu_training_matmul` finds it much faster than BLAS) give
+  `nn.Linear`'s outputs and gradients, only in fp32 training steps.
 """
 
 import pytest
@@ -14,7 +16,8 @@ import torch.nn.functional as F
 from conftest import make_tiny_model, padded_batch
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
-from vaswani_hf.kernels_vaswani import VaswaniSelfAttentionCache, VaswaniSelfAttentionCacheLayer
+from vaswani_hf import kernels_vaswani
+from vaswani_hf.kernels_vaswani import VaswaniLinear, VaswaniSelfAttentionCache, VaswaniSelfAttentionCacheLayer
 from vaswani_hf.modeling_vaswani import apply_dropout
 
 
@@ -170,7 +173,7 @@ def test_generate_uses_the_in_place_cache_unless_given_one():
     ids, mask = padded_batch(length=9)
     seen = []
     hook = model.model.decoder.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs.get("past_key_values")), with_kwargs=True)
+        lambda module, args, kwargs: seen.append(kwargs.get("cache")), with_kwargs=True)
     model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=5)
     assert isinstance(seen[-1], EncoderDecoderCache)
     assert isinstance(seen[-1].self_attention_cache, VaswaniSelfAttentionCache)
@@ -333,3 +336,141 @@ def test_weights_packed_by_one_generate_are_not_reused_after_the_weights_change(
                          return_dict_in_generate=True)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
+
+
+# fp32 CPU training linears in oneDNN (`VaswaniLinear.trains_with_onednn`, `cpu_training_matmul`)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows_shape,in_features,out_features", [
+    ((16,), 8, 64),  # weight gradient as (x^T g)^T: in * (rows + out) < out * rows
+    ((16,), 64, 8),  # weight gradient as g^T x
+    ((3, 7), 24, 24),  # a (B, L, D) input
+])
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_training_linear_computes_what_nn_linear_computes(monkeypatch, rows_shape, in_features,
+                                                                 out_features, bias):
+    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "onednn")
+    calls = []
+    onednn_linear = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or onednn_linear(*args))
+    torch.manual_seed(0)
+    fast = VaswaniLinear(in_features, out_features, bias=bias)
+    plain = torch.nn.Linear(in_features, out_features, bias=bias)
+    plain.load_state_dict(fast.state_dict())
+    x = torch.randn(*rows_shape, in_features)
+    upstream = torch.randn(*rows_shape, out_features)
+    outputs, grads = [], []
+    for module in (fast, plain):
+        leaf = x.clone().requires_grad_()
+        y = module(leaf)
+        (y * upstream).sum().backward()
+        outputs.append(y)
+        grads.append([leaf.grad] + [p.grad for p in module.parameters()])
+    assert len(calls) == 3  # forward, input gradient, weight gradient
+    assert outputs[0].shape == outputs[1].shape
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    for fast_grad, plain_grad in zip(*grads, strict=True):
+        assert fast_grad.shape == plain_grad.shape and fast_grad.is_contiguous()
+        torch.testing.assert_close(fast_grad, plain_grad, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_onednn_training_linear_computes_only_the_gradients_asked_for(monkeypatch):
+    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "onednn")
+    calls = []
+    onednn_linear = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or onednn_linear(*args))
+    linear = VaswaniLinear(8, 16)
+    linear.weight.requires_grad_(False)  # a frozen base layer, as under LoRA
+    x = torch.randn(5, 8, requires_grad=True)
+    linear(x).sum().backward()
+    assert len(calls) == 2 and linear.weight.grad is None  # forward and input gradient only
+    torch.testing.assert_close(x.grad, linear.weight.sum(0).expand(5, 8), rtol=1e-5, atol=1e-5)
+    assert linear.bias.grad is not None and torch.equal(linear.bias.grad, torch.full((16,), 5.0))
+    calls.clear()
+    linear.weight.requires_grad_(True)
+    linear(torch.randn(5, 8)).sum().backward()  # the input needs no gradient
+    assert len(calls) == 2 and linear.weight.grad is not None
+
+
+@needs_onednn
+def test_onednn_training_path_takes_only_fp32_training_steps(monkeypatch):
+    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "onednn")
+    model = make_tiny_model()
+    ids, mask = padded_batch(length=9)
+    labels = ids.masked_fill(mask.eq(0), -100)
+    linear = model.model.encoder.layers[0].fc1
+    model.train()
+    assert linear.trains_with_onednn(torch.randn(2, 32))
+    with torch.no_grad():
+        assert not linear.trains_with_onednn(torch.randn(2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not linear.trains_with_onednn(torch.randn(2, 32))
+    assert not linear.trains_with_onednn(torch.randn(2, 32, dtype=torch.float64))
+    model.eval()
+    assert not linear.trains_with_onednn(torch.randn(2, 32))
+    model.train()
+    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "blas")
+    assert not linear.trains_with_onednn(torch.randn(2, 32))
+
+
+@needs_onednn
+def test_a_training_step_in_onednn_equals_the_blas_step(monkeypatch):
+    results = {}
+    for library in ("blas", "onednn"):
+        monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda library=library: library)
+        calls = []
+        onednn_linear = torch.ops.mkldnn._linear_pointwise
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                            lambda *args, calls=calls, onednn_linear=onednn_linear: calls.append(1)
+                            or onednn_linear(*args))
+        model = make_tiny_model(dropout=0.0).train()
+        ids, mask = padded_batch(length=9)
+        labels = torch.randint(4, 99, (3, 6), generator=torch.Generator().manual_seed(1))
+        labels[2, 4:] = -100
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        results[library] = (loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        monkeypatch.undo()
+        # 3 products per linear (forward, input and weight gradients): encoder 2 x 6, decoder 2 x 10, lm_head
+        assert len(calls) == (0 if library == "blas" else 3 * (2 * 6 + 2 * 10 + 1))
+    torch.testing.assert_close(results["onednn"][0], results["blas"][0], rtol=1e-5, atol=1e-6)
+    assert results["onednn"][1].keys() == results["blas"][1].keys() and len(results["blas"][1]) > 40
+    for name, grad in results["blas"][1].items():
+        torch.testing.assert_close(results["onednn"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("onednn_seconds,blas_seconds,expected", [(1.0, 1.3, "onednn"), (1.0, 1.25, "blas"),
+                                                                  (1.0, 0.5, "blas")])
+def test_cpu_training_matmul_takes_onednn_only_when_clearly_faster(monkeypatch, onednn_seconds, blas_seconds,
+                                                                   expected):
+    monkeypatch.delenv("VASWANI_CPU_MATMUL", raising=False)
+    monkeypatch.setattr(kernels_vaswani, "has_onednn_linear", lambda: True)
+    timings = iter([onednn_seconds, blas_seconds])
+    monkeypatch.setattr(kernels_vaswani, "_best_seconds", lambda function: next(timings))
+    kernels_vaswani.cpu_training_matmul.cache_clear()
+    try:
+        assert kernels_vaswani.cpu_training_matmul() == expected
+    finally:
+        kernels_vaswani.cpu_training_matmul.cache_clear()
+
+
+@pytest.mark.parametrize("value,expected", [("blas", "blas"), ("ONEDNN", "onednn"), ("bogus", ValueError)])
+def test_cpu_training_matmul_follows_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv("VASWANI_CPU_MATMUL", value)
+    monkeypatch.setattr(kernels_vaswani, "has_onednn_linear", lambda: True)
+    monkeypatch.setattr(kernels_vaswani, "_best_seconds", lambda function: pytest.fail("measured despite the override"))
+    kernels_vaswani.cpu_training_matmul.cache_clear()
+    try:
+        if expected is ValueError:
+            with pytest.raises(ValueError, match="VASWANI_CPU_MATMUL='bogus'.*'onednn' or 'blas'"):
+                kernels_vaswani.cpu_training_matmul()
+        else:
+            assert kernels_vaswani.cpu_training_matmul() == expected
+        monkeypatch.setattr(kernels_vaswani, "has_onednn_linear", lambda: False)
+        kernels_vaswani.cpu_training_matmul.cache_clear()
+        if expected is not ValueError:
+            assert kernels_vaswani.cpu_training_matmul() == "blas"  # no oneDNN: BLAS whatever is asked
+    finally:
+        kernels_vaswani.cpu_training_matmul.cache_clear()

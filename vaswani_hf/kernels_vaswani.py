@@ -2,8 +2,8 @@
 
 - `CPUDropout`: dropout with a cheaper random mask (§5.4's dropout, same distribution, scale and gradient);
 - `cpu_attention_forward`: Eq. 1 on a CPU for bf16/fp16 (scores in fp32) and for fp32 training;
-- `VaswaniLinear`: `nn.Linear` that multiplies with oneDNN-packed weights during CPU inference, and
-  `packed_cpu_linears`, the context that packs them (with the stacked q|k|v input projections) for `generate()`,
+- `VaswaniLinear`: `nn.Linear` that multiplies with oneDNN in fp32 CPU training where oneDNN is much faster than
+  torch's BLAS (`cpu_training_matmul`), and with oneDNN-packed weights during CPU inference; `packed_cpu_linears`, the context that packs them (with the stacked q|k|v input projections) for `generate()`,
   keeping the packed copies for the next call while the weights stay unchanged;
 - `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer;
 - `RealTokens`: CPU training runs the position-wise layers on the real (non-padding) tokens of a batch only.
@@ -14,6 +14,8 @@ Like `modeling_vaswani.py`, it imports only torch and transformers: transformers
 
 import contextlib
 import functools
+import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +70,7 @@ def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
 
 
 @functools.cache
-def _has_onednn_linear() -> bool:
+def has_onednn_linear() -> bool:
     """Whether this torch has oneDNN and the two operators of `VaswaniLinear`'s CPU path (torch >= 2.0 builds)."""
     try:
         return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -77,16 +79,111 @@ def _has_onednn_linear() -> bool:
         return False
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b with oneDNN: `(M, K)` x `(N, K)` (either may be a transposed view) -> `(M, N)`, fp32 on a CPU."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _best_seconds(function, repetitions: int = 5) -> float:
+    function()
+    best = float("inf")
+    for _ in range(repetitions):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def cpu_training_matmul() -> str:
+    """Which library multiplies the fp32 linears of CPU training steps: "onednn" or "blas" (torch's default, MKL on
+    x86 builds).
+
+    MKL runs its AVX2 code on non-Intel CPUs, so on CPUs whose AVX-512 units are full width (AMD Zen 5) oneDNN's
+    AVX-512 code multiplies about twice as fast (2 cores, base-model shapes: 450-500 against 220-230 GFLOP/s); on
+    Intel CPUs and on AVX2 CPUs the two are within about 10 % of each other. So this is decided by measuring, once
+    per process: the three products of a linear's training step (forward x W^T, input gradient g W, weight
+    gradient g^T x; 512 rows, 512 -> 1024 features) with both, best of 5 each (about 0.1 s); oneDNN is chosen only
+    when it takes at most 1/1.3 of BLAS's time, so noise cannot flip the choice where the two are close. The
+    environment variable `VASWANI_CPU_MATMUL` = `onednn` or `blas` overrides the measurement (`auto`, the default,
+    measures). Results agree to fp32 rounding either way.
+    """
+    choice = os.environ.get("VASWANI_CPU_MATMUL", "auto").strip().lower()
+    if choice not in ("auto", "onednn", "blas"):
+        raise ValueError(f"VASWANI_CPU_MATMUL={choice!r}: use 'auto' (measure), 'onednn' or 'blas'.")
+    if not has_onednn_linear():
+        return "blas"
+    if choice != "auto":
+        return choice
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)  # not the global one: dropout's random numbers stay the same
+        x, weight, grad = (torch.randn(*shape, generator=generator) for shape in ((512, 512), (1024, 512), (512, 1024)))
+        try:
+            onednn = _best_seconds(lambda: (_onednn_linear(x, weight), _onednn_linear(grad, weight.t()),
+                                            _onednn_linear(grad.t(), x.t())))
+        except RuntimeError as error:  # a torch build whose oneDNN cannot run these
+            logger.warning_once(f"oneDNN linear failed ({error}); CPU training multiplies with torch's BLAS.")
+            return "blas"
+        blas = _best_seconds(lambda: (F.linear(x, weight), grad @ weight, grad.t() @ x))
+    return "onednn" if 1.3 * onednn <= blas else "blas"
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """`F.linear` whose forward and backward products run in oneDNN (`cpu_training_matmul`); fp32, CPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        flat = x.reshape(-1, x.shape[-1])
+        return _onednn_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1]).contiguous()  # (M, N)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _onednn_linear(grad, weight.t()).view(x.shape)  # g W
+        if ctx.needs_input_grad[1]:
+            # oneDNN takes its first operand contiguous (a transposed view is copied) and its second one as it is:
+            # g^T x copies g^T (rows x out), (x^T g)^T copies x^T and the (in, out) result; the smaller copies win
+            # (the latter for the output projection, in 512, out 8000: 35 against 64 ms on 1,827 rows).
+            x = x.reshape(-1, x.shape[-1])
+            rows, (out_features, in_features) = x.shape[0], weight.shape
+            if in_features * (rows + out_features) < out_features * rows:
+                grad_weight = _onednn_linear(x.t(), grad.t()).t().contiguous()
+            else:
+                grad_weight = _onednn_linear(grad.t(), x.t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
 class VaswaniLinear(nn.Linear):
-    """`nn.Linear`, with a faster path for CPU inference: while `packed_weight` holds the weight in oneDNN's blocked
-    layout (`generate()` packs it for the duration of the call: `VaswaniForConditionalGeneration.cpu_packed_linears`),
-    an fp32 forward on a CPU without autograd and without autocast multiplies with oneDNN. For the few rows of a
-    decoding step (64 rows, d_model 512) that is 25-40 % faster than torch's default BLAS call on the project's CPU;
-    results agree to fp32 rounding. Every other call (training, GPUs, bf16, `torch.compile`) is `nn.Linear`'s.
-    `(..., in_features)` -> `(..., out_features)`.
+    """`nn.Linear`, with faster paths on a CPU. `(..., in_features)` -> `(..., out_features)`.
+
+    - Training: an fp32 training-mode forward with autograd on a CPU, without autocast, multiplies with oneDNN, forward
+      and backward, where `cpu_training_matmul()` found oneDNN much faster than torch's BLAS on this CPU (about 2x on
+      AMD Zen 5); elsewhere it is `nn.Linear`'s.
+    - Inference: while `packed_weight` holds the weight in oneDNN's blocked layout (`generate()` packs it for the
+      duration of the call: `VaswaniForConditionalGeneration.cpu_packed_linears`), an fp32 forward on a CPU without
+      autograd and without autocast multiplies with oneDNN. For the few rows of a decoding step (64 rows, d_model
+      512) that is 25-40 % faster than torch's default BLAS call on an AMD EPYC (Zen 4).
+
+    Results agree with `nn.Linear`'s to fp32 rounding. GPUs, bf16 and `torch.compile`d or exported graphs always take
+    `nn.Linear`'s path.
     """
 
     packed_weight: torch.Tensor | None = None
+
+    def trains_with_onednn(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` takes the oneDNN training path."""
+        return (self.training and torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
+                and self.weight.dtype == torch.float32 and (x.requires_grad or self.weight.requires_grad)
+                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+                and not torch.jit.is_tracing() and cpu_training_matmul() == "onednn")
 
     def uses_packed(self, x: torch.Tensor) -> bool:
         """Whether `forward(x)` takes the oneDNN path."""
@@ -97,6 +194,8 @@ class VaswaniLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_packed(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.trains_with_onednn(x):
+            return _OneDNNLinear.apply(x, self.weight, self.bias)
         return super().forward(x)
 
 
@@ -246,7 +345,7 @@ def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection
     """The body of `VaswaniForConditionalGeneration.cpu_packed_linears` (see there); `attention_class` and
     `input_projection_class` are the model's attention and input projection types."""
     linears = [module for module in model.modules() if isinstance(module, VaswaniLinear)]
-    wanted = (model.use_cpu_packed_linears and _has_onednn_linear() and linears
+    wanted = (model.use_cpu_packed_linears and has_onednn_linear() and linears
               and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
               and all(m.packed_weight is None for m in linears))
