@@ -41,6 +41,7 @@ from training.common import (
     DataArguments,
     ModelArguments,
     RecipeArguments,
+    bound_onednn_caches,
     build_model,
     check_distributed,
     cpu_has_native_bf16,
@@ -203,6 +204,7 @@ def build_parser() -> HfArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     setup_logging()
     keep_freed_memory()
+    bound_onednn_caches()
     parser = build_parser()
     model_args, data_args, recipe, training_args = parser.parse_args_into_dataclasses(args=argv)
     preset = resolve_preset(model_args)

@@ -52,6 +52,7 @@ from training.common import (
     DataArguments,
     ModelArguments,
     RecipeArguments,
+    bound_onednn_caches,
     build_model,
     check_distributed,
     finish_run,
@@ -199,6 +200,7 @@ def run(argv: list[str] | None = None):
     """
     setup_logging()
     keep_freed_memory()
+    bound_onednn_caches()
     model_args, data_args, recipe, loop = build_parser().parse_args_into_dataclasses(args=argv)
     check_loop_arguments(loop)
     preset = resolve_preset(model_args)
