@@ -228,3 +228,95 @@ def test_an_instruction_set_restriction_turns_native_bf16_off():
         limited = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                  env={**env, name: value})
         assert limited.stdout.strip() == "False", (name, limited.stderr)
+
+
+def _recipe(cpu_bf16: str):
+    from training.common import RecipeArguments
+
+    return RecipeArguments(cpu_bf16=cpu_bf16)
+
+
+@pytest.mark.parametrize("fp32, bf16, chosen", [
+    (0.30, 0.19, True),  # bf16 1.6x faster (a Zen 5 EPYC)
+    (0.30, 0.27, False),  # 1.11x: under the 1.15x margin, fp32
+    (0.15, 0.22, False),  # bf16 slower (a Xeon with AVX512-BF16 and no AMX)
+])
+def test_auto_precision_measures_where_bf16_is_native(monkeypatch, fp32, bf16, chosen):
+    from training import common
+
+    measured = []
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(common, "time_training_precisions", lambda config: measured.append(config) or (fp32, bf16))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    use_bf16, reason = common.cpu_precision(_recipe("auto"), common.ModelArguments(), common.PRESETS["cpu"])
+    assert use_bf16 is chosen
+    assert f"{bf16 * 1e3:.0f} ms in bf16 autocast against {fp32 * 1e3:.0f} ms in fp32" in reason
+    assert ("--cpu_bf16 no for fp32" if chosen else "--cpu_bf16 yes for bf16") in reason
+    (config,) = measured  # measured once, at the preset's widths and vocabulary
+    assert (config.d_model, config.d_ff, config.num_heads, config.vocab_size) == (256, 1024, 4, 8000)
+
+
+@pytest.mark.parametrize("cpu_bf16, native, world_size, chosen", [
+    ("auto", False, "1", False),  # emulated bf16: never measured
+    ("yes", False, "1", True),
+    ("no", True, "1", False),
+    ("yes", True, "1", True),
+    ("auto", True, "2", True),  # several processes would each measure and could disagree: native means bf16
+])
+def test_precision_is_not_measured_where_nothing_is_to_choose(monkeypatch, cpu_bf16, native, world_size, chosen):
+    from training import common
+
+    def fail(config):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(common, "time_training_precisions", fail)
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    assert common.cpu_precision(_recipe(cpu_bf16), common.ModelArguments(), common.PRESETS["cpu"])[0] is chosen
+    with pytest.raises(ValueError, match="--cpu_bf16 must be auto, yes or no, got 'maybe'"):
+        common.cpu_precision(_recipe("maybe"), common.ModelArguments(), common.PRESETS["cpu"])
+
+
+def test_precision_probe_uses_the_overridden_widths_and_a_saved_models_config(tmp_path):
+    from training.common import PRESETS, ModelArguments, precision_probe_config
+    from vaswani_hf import VaswaniConfig
+
+    config = precision_probe_config(ModelArguments(config_overrides="d_model=128,d_ff=512", vocab_size=3000),
+                                    PRESETS["cpu"])
+    assert (config.d_model, config.d_ff, config.num_heads, config.vocab_size) == (128, 512, 4, 3000)
+    VaswaniConfig(vocab_size=700, d_model=64, num_heads=2, d_ff=96).save_pretrained(tmp_path)
+    saved = precision_probe_config(ModelArguments(model_name_or_path=str(tmp_path)), PRESETS["cpu"])
+    assert (saved.d_model, saved.d_ff, saved.vocab_size) == (64, 96, 700)
+
+
+def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
+    """The real measurement, on tiny widths; with learned positions it stays within their table."""
+    from training.common import time_training_precisions
+    from vaswani_hf import VaswaniConfig
+
+    config = VaswaniConfig(vocab_size=300, d_model=32, encoder_layers=2, decoder_layers=2, num_heads=2, d_ff=64)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    with torch.no_grad():  # the measured step needs gradients whatever the caller's mode
+        fp32, bf16 = time_training_precisions(config, rows=4, length=6, repetitions=2)
+    assert torch.equal(torch.rand(3), expected)
+    assert 0 < fp32 < 60 and 0 < bf16 < 60
+    assert (config.encoder_layers, config.decoder_layers) == (2, 2) and torch.is_grad_enabled()
+    assert not torch.is_autocast_enabled("cpu")
+    learned = VaswaniConfig(vocab_size=300, d_model=32, num_heads=2, d_ff=64, position_embedding_type="learned",
+                            max_position_embeddings=4)
+    assert min(time_training_precisions(learned, rows=2, length=6, repetitions=1)) > 0  # 4 tokens, not 6
+
+
+@pytest.mark.parametrize("cpu_bf16, native, budget", [
+    ("auto", True, 18), ("yes", True, 18), ("no", True, 26), ("auto", False, 26), ("yes", False, 26)])
+def test_the_budget_follows_the_cpu_not_the_precision_it_measures(monkeypatch, cpu_bf16, native, budget):
+    """A CPU with native bf16 gets the 18-minute budget whichever precision its measurement picks (a Xeon whose
+    fp32 is faster trains in fp32 within it); --cpu_bf16 no, or no native bf16, 26 minutes; a GPU, the preset's."""
+    from training import common, train
+
+    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: native)
+    assert train.default_budget_minutes(common.PRESETS["cpu"], _recipe(cpu_bf16), "cpu") == budget
+    assert train.default_budget_minutes(common.PRESETS["cpu"], _recipe(cpu_bf16), "cuda") == 26
+    assert train.default_budget_minutes(common.PRESETS["base"], _recipe(cpu_bf16), "cpu") is None

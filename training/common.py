@@ -54,10 +54,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_tokens": 2048, "warmup_steps": 400, "lr_factor": 0.5, "max_steps": 2600, "vocab_size": 8000,
         # The whole command (start to BLEU printed) plans its steps to end within this budget (training/planner.py):
         # up to max_steps, fewer on a slower machine, the schedule always ending in a linear cooldown to lr 0 over
-        # the last `cooldown_fraction` of the planned steps (a departure from §5.3, cpu preset only; README). In fp32
-        # the budget is 26 minutes, in bf16 autocast on a CPU with native bf16 18: with set-up (venv, pip) the one-line
-        # command of the README stays under 30 and 20 minutes.
-        "time_budget_minutes": 26, "time_budget_minutes_bf16": 18, "cooldown_fraction": 0.2,
+        # the last `cooldown_fraction` of the planned steps (a departure from §5.3, cpu preset only; README). The
+        # budget is 26 minutes, and 18 on a CPU with native bf16 (unless --cpu_bf16 no), whichever precision the run
+        # then measures faster there: with set-up (venv, pip) the README's one-line command stays under 30 and 20
+        # minutes.
+        "time_budget_minutes": 26, "time_budget_minutes_native_bf16": 18, "cooldown_fraction": 0.2,
         "max_eval_samples": 200, "trainer": {"eval_steps": 500, "save_steps": 500},
     },
     "tiny": {
@@ -132,15 +133,16 @@ class RecipeArguments:
     time_budget_minutes: float | None = field(default=None, metadata={
         "help": "Plan the number of steps from the measured speed of the first ones so that the whole command "
                 "(start to test BLEU) ends within this many minutes; the schedule ends with a linear lr cooldown. "
-                "Default: the preset's (cpu: 26 in fp32; 18 in bf16 autocast on a CPU with native bf16), unless "
+                "Default: the preset's (cpu: 26; 18 on a CPU with native bf16 unless --cpu_bf16 no), unless "
                 "--max_steps is given."})
     num_samples: int = field(default=5, metadata={"help": "Sample translations printed at the end."})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Start a new run in an --output_dir that holds an earlier run: its checkpoint-<step> folders are "
                 "removed, its model and metrics replaced. Without it such a folder is refused."})
     cpu_bf16: str = field(default="auto", metadata={
-        "help": "Training on a CPU: auto (bf16 autocast where the CPU computes bf16 natively, AVX512-BF16 or AMX), "
-                "yes, or no (fp32)."})
+        "help": "Training on a CPU: auto (bf16 autocast where the CPU computes bf16 natively, AVX512-BF16 or AMX, "
+                "and a training step measured at the start is at least 1.15x faster in bf16 than in fp32), yes, "
+                "or no (fp32)."})
 
 
 # oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) below which it has no bf16 instructions.
@@ -162,15 +164,96 @@ def cpu_has_native_bf16() -> bool:
     return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 
-def wants_cpu_bf16(recipe: RecipeArguments) -> bool:
-    """Whether a run on the CPU should compute in bf16 autocast, per --cpu_bf16 (auto: where bf16 is native).
+# On a CPU with native bf16, --cpu_bf16 auto takes bf16 autocast only when a training step measured in both
+# precisions is at least this much faster in bf16; closer than that, fp32 (exact, and noise cannot flip the choice).
+BF16_MIN_SPEEDUP = 1.15
+
+
+def time_training_precisions(config: VaswaniConfig, *, rows: int = 32, length: int = 32,
+                             repetitions: int = 3) -> tuple[float, float]:
+    """Median wall-clock seconds of one CPU training step's forward and backward pass, `(fp32, bf16 autocast)`.
+
+    The step is that of a fresh model of `config`'s widths (d_model, heads, d_ff, vocabulary, activation, layer
+    norm placement) with one layer per stack, on a random batch of `rows` x `length` source and target tokens
+    (the last quarter of half the source rows padding; at most `max_position_embeddings` tokens with learned
+    positions), in train mode with dropout: the ratio of the two times, not
+    the times, is what it is for, and a layer's products and the output projection keep their shapes. The two
+    precisions alternate, after one untimed step each, so that load from other processes hits both alike. The
+    global random state is restored afterwards. About 2 s at the `cpu` preset's widths on 2 cores.
+    """
+    import copy
+
+    from vaswani_hf import VaswaniForConditionalGeneration
+
+    probe = copy.deepcopy(config)
+    probe.encoder_layers = probe.decoder_layers = 1
+    if probe.position_embedding_type == "learned":  # a learned table refuses longer input
+        length = min(length, probe.max_position_embeddings)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        torch.manual_seed(0)
+        model = VaswaniForConditionalGeneration(probe).train()
+        ids = torch.randint(4, probe.vocab_size, (rows, length))
+        labels = torch.randint(4, probe.vocab_size, (rows, length))
+        mask = torch.ones(rows, length, dtype=torch.long)
+        mask[: rows // 2, length - length // 4:] = 0
+        for repetition in range(repetitions + 1):
+            for bf16 in (False, True):
+                started = time.perf_counter()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss.backward()
+                if repetition:
+                    times[bf16].append(time.perf_counter() - started)
+                model.zero_grad(set_to_none=True)
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    return median(times[False]), median(times[True])
+
+
+def precision_probe_config(model_args: ModelArguments, preset: dict[str, Any]) -> VaswaniConfig:
+    """The config whose widths `time_training_precisions` measures: a local --model_name_or_path's, else the preset's
+    with --config_overrides and the preset's (or --vocab_size's) vocabulary."""
+    path = model_args.model_name_or_path
+    if path and Path(path).is_dir():
+        return VaswaniConfig.from_pretrained(path)
+    return VaswaniConfig(vocab_size=model_args.vocab_size or preset["vocab_size"],
+                         **{**preset["model"], **parse_overrides(model_args.config_overrides)})
+
+
+def cpu_precision(recipe: RecipeArguments, model_args: ModelArguments, preset: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a training run on the CPU computes in bf16 autocast, and why in words, per --cpu_bf16.
+
+    `yes` and `no` are taken as given. `auto`: fp32 where the CPU has no native bf16 (`cpu_has_native_bf16`; there
+    torch emulates bf16 matmuls, hundreds of times slower). Where it has, native bf16 is not always faster: a Zen 5
+    EPYC trains the `cpu` preset 1.6x faster in bf16, but a 2-core Xeon with AVX512-BF16 and no AMX (CPU family 6,
+    model 207) multiplies bf16 at half its fp32 rate (MKL's AVX-512 fp32 GEMMs) and trains 1.5x *slower* in bf16.
+    So the two are measured (`time_training_precisions`, about 2 s) and bf16 is taken when it is at least
+    `BF16_MIN_SPEEDUP` (1.15) times faster. Several processes (WORLD_SIZE > 1) do not measure, since each would
+    time its own step and they could choose differently: native bf16 means bf16 there.
 
     Raises:
         ValueError: --cpu_bf16 is not auto, yes or no.
     """
     if recipe.cpu_bf16 not in ("auto", "yes", "no"):
         raise ValueError(f"--cpu_bf16 must be auto, yes or no, got {recipe.cpu_bf16!r}.")
-    return recipe.cpu_bf16 == "yes" or (recipe.cpu_bf16 == "auto" and cpu_has_native_bf16())
+    native = cpu_has_native_bf16()
+    if recipe.cpu_bf16 == "yes":
+        return True, "--cpu_bf16 yes" + ("" if native else "; this CPU has no native bf16, expect it slow")
+    if recipe.cpu_bf16 == "no":
+        return False, "--cpu_bf16 no"
+    if not native:
+        return False, ("no native bf16 here (no avx512_bf16/amx_bf16 CPU flag, or torch limited below it by "
+                       "ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA): bf16 matmuls would be emulated, far slower than fp32")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return True, "the CPU has native bf16 (avx512_bf16/amx_bf16; not measured with several processes); " \
+                     "--cpu_bf16 no for fp32"
+    fp32, bf16 = time_training_precisions(precision_probe_config(model_args, preset))
+    measured = (f"a one-layer training step at the model's widths took {bf16 * 1e3:.0f} ms in bf16 autocast "
+                f"against {fp32 * 1e3:.0f} ms in fp32")
+    if fp32 >= BF16_MIN_SPEEDUP * bf16:
+        return True, f"the CPU has native bf16 and {measured}; --cpu_bf16 no for fp32"
+    return False, (f"the CPU has native bf16, but {measured} (bf16 is taken when at least {BF16_MIN_SPEEDUP}x "
+                   f"faster); --cpu_bf16 yes for bf16")
 
 
 def parse_overrides(text: str | None) -> dict[str, Any]:

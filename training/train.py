@@ -45,6 +45,7 @@ from training.common import (
     build_model,
     check_distributed,
     cpu_has_native_bf16,
+    cpu_precision,
     finish_run,
     keep_freed_memory,
     prepare_data,
@@ -165,12 +166,12 @@ class TimeLimit(TrainerCallback):
         return control
 
 
-def precision_choice(training_args: Seq2SeqTrainingArguments, recipe) -> tuple[str, str]:
+def precision_choice(training_args: Seq2SeqTrainingArguments, recipe, model_args, preset) -> tuple[str, str]:
     """What a run computes in and why: ("bf16 autocast" | "fp16 autocast" | "fp32", the reason in words).
 
-    On the CPU, --cpu_bf16 auto picks bf16 autocast where the CPU has native bf16 instructions (avx512_bf16 or
-    amx_bf16): about 2x faster there. Elsewhere torch emulates bf16 matmuls, hundreds of times slower than fp32
-    (0.3-1 GFLOP/s against 140-170 on AVX2 EPYC cores), so the run stays in fp32.
+    --bf16 / --fp16 as given; on a GPU fp32 without them; on the CPU per --cpu_bf16
+    (`training.common.cpu_precision`: under auto, bf16 autocast where the CPU has native bf16 and a training step
+    measured in both precisions is at least 1.15x faster in it).
 
     Raises:
         ValueError: --cpu_bf16 is not auto, yes or no.
@@ -183,15 +184,16 @@ def precision_choice(training_args: Seq2SeqTrainingArguments, recipe) -> tuple[s
         return "fp16 autocast", "--fp16 given"
     if training_args.device.type != "cpu":
         return "fp32", "no --bf16/--fp16 given"
-    native = cpu_has_native_bf16()
-    if recipe.cpu_bf16 == "yes":
-        return "bf16 autocast", "--cpu_bf16 yes" + ("" if native else "; this CPU has no native bf16, expect it slow")
-    if recipe.cpu_bf16 == "no":
-        return "fp32", "--cpu_bf16 no"
-    if native:
-        return "bf16 autocast", "the CPU has native bf16 (avx512_bf16/amx_bf16); --cpu_bf16 no for fp32"
-    return "fp32", ("no native bf16 here (no avx512_bf16/amx_bf16 CPU flag, or torch limited below it by "
-                    "ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA): bf16 matmuls would be emulated, far slower than fp32")
+    bf16, reason = cpu_precision(recipe, model_args, preset)
+    return ("bf16 autocast" if bf16 else "fp32"), reason
+
+
+def default_budget_minutes(preset: dict, recipe, device_type: str) -> float | None:
+    """The preset's time budget for the whole command: `time_budget_minutes_native_bf16` on a CPU with native bf16
+    (whichever precision `cpu_precision` then finds faster there) unless --cpu_bf16 no, else `time_budget_minutes`;
+    `None` where the preset has none (base, big, tiny)."""
+    native = device_type == "cpu" and recipe.cpu_bf16 != "no" and cpu_has_native_bf16()
+    return preset.get("time_budget_minutes_native_bf16" if native else "time_budget_minutes")
 
 
 def build_parser() -> HfArgumentParser:
@@ -219,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     if warmup < 1:
         raise ValueError(f"--warmup_steps {training_args.warmup_steps} gives {warmup} warmup steps; Eq. 3 of the paper "
                          f"needs at least 1 (the paper uses 4000, the cpu preset 400).")
-    precision, precision_reason = precision_choice(training_args, recipe)
+    check_model_inputs(model_args.model_name_or_path, model_args.tokenizer_name, model_args.config_overrides)
+    precision, precision_reason = precision_choice(training_args, recipe, model_args, preset)
     if precision == "bf16 autocast" and training_args.device.type == "cpu" and not training_args.bf16:
         training_args.bf16 = True  # autocast on the CPU: about 2-3x faster training where bf16 is native
         training_args.mixed_precision = "bf16"  # what Trainer hands to accelerate
@@ -235,8 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     lr_factor = recipe.lr_factor or preset["lr_factor"]
     budget = recipe.time_budget_minutes
     if budget is None and "max_steps" not in given:
-        native_bf16 = precision == "bf16 autocast" and training_args.device.type == "cpu" and cpu_has_native_bf16()
-        budget = preset.get("time_budget_minutes_bf16" if native_bf16 else "time_budget_minutes")
+        budget = default_budget_minutes(preset, recipe, training_args.device.type)
     if budget is not None and (isinstance(budget, bool) or not budget > 0):
         raise ValueError(f"--time_budget_minutes must be a positive number of minutes, got {budget}.")
     plan = {"budget": budget, "precision": precision, "precision_reason": precision_reason, "warmup": warmup}
@@ -248,7 +250,6 @@ def main(argv: list[str] | None = None) -> dict:
         save_total_limit_given="save_total_limit" in given,
         saving=getattr(training_args.save_strategy, "value", training_args.save_strategy) != "no",
         max_steps=training_args.max_steps, save_steps=training_args.save_steps, resuming=resuming)
-    check_model_inputs(model_args.model_name_or_path, model_args.tokenizer_name, model_args.config_overrides)
     hub_token = strip_hub_token(training_args)  # Trainer pickles its arguments into training_args.bin
     lock = None
     if training_args.process_index == 0:

@@ -55,13 +55,13 @@ from training.common import (
     bound_onednn_caches,
     build_model,
     check_distributed,
+    cpu_precision,
     finish_run,
     keep_freed_memory,
     prepare_data,
     resolve_preset,
     setup_logging,
     token_budget_sampler,
-    wants_cpu_bf16,
     write_json_atomic,
 )
 from training.guards import average_current_run, check_average_last, check_model_inputs, check_run_output_dir
@@ -242,8 +242,10 @@ def _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tok
     accumulation = loop.gradient_accumulation_steps
     mixed_precision = loop.mixed_precision
     if (mixed_precision is None and "ACCELERATE_MIXED_PRECISION" not in os.environ
-            and (loop.cpu or not _has_accelerator_device()) and wants_cpu_bf16(recipe)):
-        mixed_precision = "bf16"  # as train.py: bf16 autocast where the CPU computes bf16 natively
+            and (loop.cpu or not _has_accelerator_device())):
+        bf16, reason = cpu_precision(recipe, model_args, preset)  # as train.py: measured where bf16 is native
+        mixed_precision = "bf16" if bf16 else None
+        logger.info("Precision: %s (%s).", "bf16 autocast" if bf16 else "fp32", reason)
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         cpu=loop.cpu,
