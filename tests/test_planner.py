@@ -237,7 +237,7 @@ def _recipe(cpu_bf16: str):
 
 
 @pytest.mark.parametrize("fp32, bf16, chosen", [
-    (0.30, 0.19, True),  # bf16 1.6x faster (a Zen 5 EPYC)
+    (0.30, 0.19, True),  # bf16 1.6x faster (as on a Zen 5 EPYC)
     (0.30, 0.27, False),  # 1.11x: under the 1.15x margin, fp32
     (0.15, 0.22, False),  # bf16 slower (a Xeon with AVX512-BF16 and no AMX)
 ])

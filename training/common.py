@@ -225,7 +225,7 @@ def cpu_precision(recipe: RecipeArguments, model_args: ModelArguments, preset: d
 
     `yes` and `no` are taken as given. `auto`: fp32 where the CPU has no native bf16 (`cpu_has_native_bf16`; there
     torch emulates bf16 matmuls, hundreds of times slower). Where it has, native bf16 is not always faster: a Zen 5
-    EPYC trains the `cpu` preset 1.6x faster in bf16, but a 2-core Xeon with AVX512-BF16 and no AMX (CPU family 6,
+    EPYC trains the `cpu` preset 1.5-1.8x faster in bf16, but a 2-core Xeon with AVX512-BF16 and no AMX (CPU family 6,
     model 207) multiplies bf16 at half its fp32 rate (MKL's AVX-512 fp32 GEMMs) and trains 1.5x *slower* in bf16.
     So the two are measured (`time_training_precisions`, about 2 s) and bf16 is taken when it is at least
     `BF16_MIN_SPEEDUP` (1.15) times faster. Several processes (WORLD_SIZE > 1) do not measure, since each would
