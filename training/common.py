@@ -144,6 +144,10 @@ class RecipeArguments:
                 "and a training step measured at the start is at least 1.15x faster in bf16 than in fp32), yes, "
                 "or no (fp32)."})
 
+    def __post_init__(self):
+        if self.cpu_bf16 not in ("auto", "yes", "no"):  # refused when the flags are parsed
+            raise ValueError(f"--cpu_bf16 must be auto, yes or no, got {self.cpu_bf16!r}.")
+
 
 # oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) below which it has no bf16 instructions.
 _ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
@@ -230,12 +234,7 @@ def cpu_precision(recipe: RecipeArguments, model_args: ModelArguments, preset: d
     So the two are measured (`time_training_precisions`, about 2 s) and bf16 is taken when it is at least
     `BF16_MIN_SPEEDUP` (1.15) times faster. Several processes (WORLD_SIZE > 1) do not measure, since each would
     time its own step and they could choose differently: native bf16 means bf16 there.
-
-    Raises:
-        ValueError: --cpu_bf16 is not auto, yes or no.
     """
-    if recipe.cpu_bf16 not in ("auto", "yes", "no"):
-        raise ValueError(f"--cpu_bf16 must be auto, yes or no, got {recipe.cpu_bf16!r}.")
     native = cpu_has_native_bf16()
     if recipe.cpu_bf16 == "yes":
         return True, "--cpu_bf16 yes" + ("" if native else "; this CPU has no native bf16, expect it slow")
