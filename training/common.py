@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -180,10 +181,10 @@ def time_training_precisions(config: VaswaniConfig, *, rows: int = 32, length: i
     The step is that of a fresh model of `config`'s widths (d_model, heads, d_ff, vocabulary, activation, layer
     norm placement) with one layer per stack, on a random batch of `rows` x `length` source and target tokens
     (the last quarter of half the source rows padding; at most `max_position_embeddings` tokens with learned
-    positions), in train mode with dropout: the ratio of the two times, not
-    the times, is what it is for, and a layer's products and the output projection keep their shapes. The two
-    precisions alternate, after one untimed step each, so that load from other processes hits both alike. The
-    global random state is restored afterwards. About 2 s at the `cpu` preset's widths on 2 cores.
+    positions), in train mode with dropout: the ratio of the two times, not the times, is what it is for, and a
+    layer's products and the output projection keep their shapes. The two precisions alternate, after one untimed
+    step each, so that load from other processes hits both alike. The global random state is restored afterwards.
+    About 2 s at the `cpu` preset's widths on 2 cores.
     """
     import copy
 
@@ -210,8 +211,7 @@ def time_training_precisions(config: VaswaniConfig, *, rows: int = 32, length: i
                 if repetition:
                     times[bf16].append(time.perf_counter() - started)
                 model.zero_grad(set_to_none=True)
-    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-    return median(times[False]), median(times[True])
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 def precision_probe_config(model_args: ModelArguments, preset: dict[str, Any]) -> VaswaniConfig:
