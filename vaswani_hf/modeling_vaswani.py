@@ -2,7 +2,7 @@
 
 The file reads top to bottom like §3 of the paper:
 
-    §5.4  residual dropout ............... apply_dropout
+    §5.4  residual dropout ............... apply_dropout, residual_dropout
     §3.5  positional encoding ............ VaswaniSinusoidalPositionalEncoding, VaswaniLearnedPositionalEmbedding
     §3.2  attention ...................... eager_attention_forward (Eq. 1), VaswaniAttention (multi-head)
     §3.1  encoder and decoder layers ..... VaswaniEncoderLayer, VaswaniDecoderLayer (the FFN of §3.3 inside)
@@ -38,11 +38,11 @@ from transformers.utils import logging
 
 try:
     from .configuration_vaswani import VaswaniConfig
-    from .kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
+    from .kernels_vaswani import (CPUDropout, CPUDropoutAdd, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
                                   VaswaniSelfAttentionCache, cpu_attention_forward, packed_cpu_linears)
 except ImportError:  # loaded as a standalone file
     from configuration_vaswani import VaswaniConfig
-    from kernels_vaswani import (CPUDropout, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
+    from kernels_vaswani import (CPUDropout, CPUDropoutAdd, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
                                  VaswaniSelfAttentionCache, cpu_attention_forward, packed_cpu_linears)
 
 logger = logging.get_logger(__name__)
@@ -91,6 +91,16 @@ def apply_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     if x.device.type == "cpu" and 0.0 < p < 1.0 and not torch.compiler.is_compiling():
         return CPUDropout.apply(x, p)
     return F.dropout(x, p=p, training=True)
+
+
+def residual_dropout(residual: torch.Tensor, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """`residual + apply_dropout(x, p, training)`: a sublayer's output, dropped out (§5.4), added to its input (§3.1).
+    `residual` and `x` are `(..., D)` of one shape. On a CPU in training `CPUDropoutAdd` (kernels_vaswani.py) does
+    both in fewer passes over memory, with the same distribution, scale and gradients."""
+    if (training and 0.0 < p < 1.0 and x.device.type == "cpu" and residual.shape == x.shape
+            and not torch.compiler.is_compiling()):
+        return CPUDropoutAdd.apply(residual, x, p)
+    return residual + apply_dropout(x, p, training)
 
 
 # §3.5 Positional encoding -------------------------------------------------------------------------------------------
@@ -400,14 +410,14 @@ class VaswaniEncoderLayer(GradientCheckpointingLayer):
             hidden_states = self.self_attn_layer_norm(hidden_states)
         hidden_states, attn = self.self_attn(hidden_states, attention_mask=attention_mask,
                                              output_attentions=output_attentions, **kwargs)
-        hidden_states = residual + apply_dropout(hidden_states, p=self.dropout, training=self.training)
+        hidden_states = residual_dropout(residual, hidden_states, self.dropout, self.training)
         if not self.normalize_before:
             hidden_states = self.self_attn_layer_norm(hidden_states)
 
         residual = hidden_states
         if self.normalize_before:
             hidden_states = self.final_layer_norm(hidden_states)
-        hidden_states = residual + apply_dropout(self.feed_forward(hidden_states), self.dropout, self.training)
+        hidden_states = residual_dropout(residual, self.feed_forward(hidden_states), self.dropout, self.training)
         if not self.normalize_before:
             hidden_states = self.final_layer_norm(hidden_states)
         return hidden_states, attn
@@ -446,7 +456,7 @@ class VaswaniDecoderLayer(VaswaniEncoderLayer):
             hidden_states, attn = attention(hidden_states, key_value_states=key_value_states, attention_mask=mask,
                                             past_key_values=past_key_values, output_attentions=output_attentions,
                                             **kwargs)
-            hidden_states = residual + apply_dropout(hidden_states, p=self.dropout, training=self.training)
+            hidden_states = residual_dropout(residual, hidden_states, self.dropout, self.training)
             if not self.normalize_before:
                 hidden_states = layer_norm(hidden_states)
             attentions.append(attn)
@@ -454,7 +464,7 @@ class VaswaniDecoderLayer(VaswaniEncoderLayer):
         residual = hidden_states
         if self.normalize_before:
             hidden_states = self.final_layer_norm(hidden_states)
-        hidden_states = residual + apply_dropout(self.feed_forward(hidden_states), self.dropout, self.training)
+        hidden_states = residual_dropout(residual, self.feed_forward(hidden_states), self.dropout, self.training)
         if not self.normalize_before:
             hidden_states = self.final_layer_norm(hidden_states)
         return hidden_states, attentions[0], attentions[1]
