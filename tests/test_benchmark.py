@@ -151,3 +151,26 @@ def test_quick_run_reports_mfu_against_the_measured_gemm_peak(quick_run):
         assert positive(row[name]["model_flops_per_s"])
         assert row[name]["fraction_of_peak"] == pytest.approx(
             row[name]["model_flops_per_s"] / mfu["gemm_peak"]["peak_flops_per_s"])
+
+
+def test_dropout_benchmark_times_both_dropouts_and_restores_the_model_code(monkeypatch):
+    from vaswani_hf import kernels_vaswani, modeling_vaswani
+
+    spec = importlib.util.spec_from_file_location("bench_dropout", ROOT / "benchmarks" / "bench_dropout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = {"fused": 0, "torch": 0}
+    fused, dropout = kernels_vaswani.CPUDropoutAdd.apply, torch.nn.functional.dropout
+    monkeypatch.setattr(kernels_vaswani.CPUDropoutAdd, "apply",
+                        lambda *a: calls.__setitem__("fused", calls["fused"] + 1) or fused(*a))
+    monkeypatch.setattr(torch.nn.functional, "dropout",
+                        lambda *a, **k: calls.__setitem__("torch", calls["torch"] + 1) or dropout(*a, **k))
+    result = bench.main(["--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32", "--vocab-size", "50",
+                         "--batch-tokens", "64", "--src-len", "8", "--tgt-len", "8", "--train-reps", "1"])
+    assert len(result["seconds"]["torch"]) == len(result["seconds"]["cpu"]) == 2
+    assert result["ratio"] > 0 and result["ratio_paired"] > 0
+    # one untimed and two timed steps each; a step has 2 + 3 residual dropouts (1 encoder, 1 decoder layer)
+    assert calls["fused"] == 3 * 5
+    assert calls["torch"] == 3 * (2 + 5)  # the baseline: F.dropout for the 2 embedding and 5 residual dropouts
+    assert modeling_vaswani.residual_dropout is bench.SHIPPED["residual_dropout"]
+    assert modeling_vaswani.apply_dropout is bench.SHIPPED["apply_dropout"]
