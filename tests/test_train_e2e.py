@@ -173,3 +173,25 @@ def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
             opt.zero_grad()
     for (name, a), b in zip(model.state_dict().items(), reference_model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_paper_trainer_pins_batches_only_for_an_accelerator(tmp_path, recwarn):
+    """On a CPU the training batches are not pinned (nothing to copy them to; torch would warn at every epoch)."""
+    from transformers import Seq2SeqTrainingArguments
+
+    from conftest import make_tiny_model
+    from training.train import PaperTrainer
+
+    # transformers' default where `use_cpu` is not given, as in vaswani-train on a machine without a GPU
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], dataloader_pin_memory=True)
+    if args.device.type != "cpu":
+        pytest.skip("this machine has an accelerator: pinning is wanted there")
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"input_ids": [5, 6, 2], "attention_mask": [1, 1, 1], "labels": [7, 2]}] * 4)
+    trainer = PaperTrainer(model=make_tiny_model(), args=args, train_dataset=rows, max_tokens=64, d_model=32,
+                           warmup=10, lr_factor=1.0)
+    loader = trainer.get_train_dataloader()
+    assert getattr(loader, "base_dataloader", loader).pin_memory is False
+    next(iter(loader))
+    assert not [w for w in recwarn if "pin_memory" in str(w.message)]

@@ -126,8 +126,10 @@ class PaperTrainer(Seq2SeqTrainer):
 
     def get_train_dataloader(self) -> DataLoader:
         sampler = token_budget_sampler(self.train_dataset, self.max_tokens, shuffle=True, seed=self.args.seed)
+        # Pinned memory speeds up copies to an accelerator only; on a CPU torch warns that it is unused.
+        pin_memory = self.args.dataloader_pin_memory and self.args.device.type != "cpu"
         loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.data_collator,
-                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+                            num_workers=self.args.dataloader_num_workers, pin_memory=pin_memory)
         return self.accelerator.prepare(loader)
 
 
