@@ -50,12 +50,18 @@ def needed_positions(labels):
 def test_packed_step_equals_the_padded_step(normalize_before, monkeypatch):
     model = make_tiny_model(dropout=0.0, normalize_before=normalize_before).train()
     ids, mask, labels = batch()
-    packed, packed_grads = step(model, ids, mask, labels, True, monkeypatch)
+    fused, fused_grads = step(model, ids, mask, labels, True, monkeypatch)  # projection and loss fused: no logits
+    packed, packed_grads = step(model, ids, mask, labels, True, monkeypatch, skip_logits=False)
     padded, padded_grads = step(model, ids, mask, labels, False, monkeypatch)
+    assert fused.logits is None and padded.logits.shape == (4, 7, 99)
     torch.testing.assert_close(packed.loss, padded.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused.loss, padded.loss, rtol=1e-6, atol=1e-6)
     labelled = labels.ne(-100)
     torch.testing.assert_close(packed.logits[labelled], padded.logits[labelled], rtol=1e-5, atol=1e-5)
     assert packed.logits[~labelled].abs().max() == 0  # the output projection ran on labelled positions only
+    assert fused_grads.keys() == padded_grads.keys()
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     real = mask.bool()
     torch.testing.assert_close(packed.encoder_last_hidden_state[real], padded.encoder_last_hidden_state[real],
                                rtol=1e-5, atol=1e-5)
@@ -125,9 +131,12 @@ def test_padded_layout_where_packing_would_change_or_gain_nothing(monkeypatch):
     model(input_ids=ids, attention_mask=empty, labels=labels)
     assert calls == [(4, 7), (4, 7)]  # the decoder and the output projection still pack; the encoder does not
     calls.clear()
-    # no padding anywhere
-    model(input_ids=ids, attention_mask=torch.ones_like(mask), labels=labels.clamp(min=4))
-    assert calls == []
+    # no padding anywhere: only the labelled outputs (all of them) go to the fused projection and loss
+    out = model(input_ids=ids, attention_mask=torch.ones_like(mask), labels=labels.clamp(min=4))
+    assert calls == [(4, 7)] and out.logits is None
+    calls.clear()
+    out = model(input_ids=ids, attention_mask=torch.ones_like(mask), labels=labels.clamp(min=4), skip_logits=False)
+    assert calls == [] and out.logits.shape == (4, 7, 99)
     # eval mode, attention probabilities, hidden states
     model(input_ids=ids, attention_mask=mask, labels=labels, output_attentions=True)
     model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
@@ -137,3 +146,12 @@ def test_padded_layout_where_packing_would_change_or_gain_nothing(monkeypatch):
     model.train()
     model(input_ids=ids, attention_mask=mask, labels=labels)
     assert calls == [(4, 9), (4, 7), (4, 9), (4, 7)]  # encoder; decoder, its view of the source; labelled outputs
+
+
+def test_skip_logits_true_leaves_them_out_anywhere_with_the_same_loss():
+    model = make_tiny_model(dropout=0.0).eval()  # eval: the padded layout and the unfused loss
+    ids, mask, labels = batch()
+    kept = model(input_ids=ids, attention_mask=mask, labels=labels)
+    skipped = model(input_ids=ids, attention_mask=mask, labels=labels, skip_logits=True)
+    assert kept.logits.shape == (4, 7, 99) and skipped.logits is None
+    torch.testing.assert_close(skipped.loss, kept.loss, rtol=0, atol=0)

@@ -128,8 +128,12 @@ def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
 
 
-def test_sdpa_in_fp32_training_on_cpu_runs_the_plain_kernel_with_sdpas_result(monkeypatch):
+def test_sdpa_in_fp32_training_on_cpu_keeps_torchs_kernel_unless_attention_dropout(monkeypatch):
     calls, _ = record_cpu_attention(monkeypatch)
+    sdpa_calls = []
+    real_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: sdpa_calls.append(1) or real_sdpa(*args, **kwargs))
     ids, mask, labels = labelled_batch()
     model = make_tiny_model(attn_implementation="sdpa", dropout=0.0).train()
     results = {}
@@ -139,14 +143,19 @@ def test_sdpa_in_fp32_training_on_cpu_runs_the_plain_kernel_with_sdpas_result(mo
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         results[kernel] = loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    assert calls == [torch.float32] * 6  # 2 encoder + 2x2 decoder attentions, in the sdpa step only
+    assert calls == [] and len(sdpa_calls) == 6  # 2 encoder + 2x2 decoder attentions, in the sdpa step only
     torch.testing.assert_close(results["sdpa"][0], results["eager"][0], rtol=1e-6, atol=1e-6)
     for got, expected in zip(results["sdpa"][1], results["eager"][1], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    with torch.no_grad():
-        model.config._attn_implementation = "sdpa"
-        model(input_ids=ids, attention_mask=mask, labels=labels)
-    assert len(calls) == 6  # no gradients: torch's SDPA
+    # attention dropout (not the paper's): the plain kernel, which draws the cheaper dropout mask
+    model.config._attn_implementation = "sdpa"
+    for layer in (*model.model.encoder.layers, *model.model.decoder.layers):
+        for attention in (layer.self_attn, getattr(layer, "encoder_attn", None)):
+            if attention is not None:
+                attention.dropout = 0.1
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    assert calls == [torch.float32] * 6 and len(sdpa_calls) == 6 and torch.isfinite(loss)
 
 
 def _steps(seed: int = 0, batch: int = 6, heads: int = 2, head_dim: int = 4, steps: int = 7):
@@ -503,3 +512,47 @@ def test_cpu_training_matmul_follows_the_environment(monkeypatch, value, expecte
             assert kernels_vaswani.cpu_training_matmul() == "blas"  # no oneDNN: BLAS whatever is asked
     finally:
         kernels_vaswani.cpu_training_matmul.cache_clear()
+
+
+# The fused output projection and loss of a CPU training step --------------------------------------------------------
+
+
+@pytest.mark.parametrize("library", ["blas", "onednn"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_projected_cross_entropy_equals_cross_entropy_of_the_projection(library, label_smoothing, monkeypatch):
+    if library == "onednn" and not kernels_vaswani.has_onednn_linear():
+        pytest.skip("this torch has no oneDNN linear operators")
+    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: library)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(37, 16, generator=generator).requires_grad_()
+    weight = torch.randn(53, 16, generator=generator).mul(0.5).requires_grad_()
+    labels = torch.randint(0, 53, (37,), generator=generator)
+    divisor = torch.tensor(41)  # Trainer's count over the whole accumulated batch, not this call's 37 rows
+    expected = F.cross_entropy(hidden @ weight.t(), labels, reduction="sum", label_smoothing=label_smoothing) / 41
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    loss = kernels_vaswani.cpu_projected_cross_entropy(hidden, weight, labels, label_smoothing, divisor)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(loss * 3, (hidden, weight), retain_graph=True)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want * 3, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="cannot run backward again.*skip_logits=False"):
+        torch.autograd.grad(loss, (hidden, weight))  # its buffer now holds the softmax: refused, not wrong
+
+
+def test_projected_cross_entropy_declines_where_it_does_not_apply():
+    hidden, weight, labels = torch.randn(5, 4), torch.randn(7, 4), torch.tensor([0, 1, 2, 3, 6])
+    project = kernels_vaswani.cpu_projected_cross_entropy
+    assert project(hidden.bfloat16(), weight.bfloat16(), labels) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert project(hidden, weight, labels) is None
+    assert project(hidden[None], weight, labels) is None
+    assert project(hidden, weight, labels) is not None
+
+
+def test_a_training_step_with_a_label_outside_the_vocabulary_is_refused_before_the_fused_loss():
+    model = make_tiny_model().train()
+    ids, mask = padded_batch(length=9)
+    labels = ids.masked_fill(mask.eq(0), -100)
+    labels[0, -1] = 99  # the last column never becomes a decoder input; rows 1 and 2 are padded: packing applies
+    with pytest.raises(ValueError, match="labels hold token id 99, outside this model's target vocabulary of 99"):
+        model(input_ids=ids, attention_mask=mask, labels=labels)

@@ -39,11 +39,13 @@ from transformers.utils import logging
 try:
     from .configuration_vaswani import VaswaniConfig
     from .kernels_vaswani import (CPUDropout, CPUDropoutAdd, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
-                                  VaswaniSelfAttentionCache, cpu_attention_forward, packed_cpu_linears)
+                                  VaswaniSelfAttentionCache, cpu_attention_forward, cpu_projected_cross_entropy,
+                                  packed_cpu_linears)
 except ImportError:  # loaded as a standalone file
     from configuration_vaswani import VaswaniConfig
     from kernels_vaswani import (CPUDropout, CPUDropoutAdd, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
-                                 VaswaniSelfAttentionCache, cpu_attention_forward, packed_cpu_linears)
+                                 VaswaniSelfAttentionCache, cpu_attention_forward, cpu_projected_cross_entropy,
+                                 packed_cpu_linears)
 
 logger = logging.get_logger(__name__)
 
@@ -322,10 +324,12 @@ class VaswaniAttention(nn.Module):
         if output_attentions:  # attention probabilities exist only in the eager reference
             attention = eager_attention_forward
         elif implementation == "sdpa" and query.device.type == "cpu" and (
-                query.dtype in (torch.bfloat16, torch.float16) or (self.training and torch.is_grad_enabled())):
+                query.dtype in (torch.bfloat16, torch.float16) or (self.training and self.dropout > 0.0)):
             # torch's CPU flash-attention kernel in bf16 takes ~4x the time of this (forward and backward, B=64,
-            # H=8, T=32, on an AVX512-BF16 CPU: 21 ms vs 5-7 ms), and its fp32 backward is slower than plain
-            # matmuls at these lengths too; fp32 inference and GPUs keep SDPA.
+            # H=8, T=32, on an AVX512-BF16 CPU: 21 ms vs 5-7 ms); with attention dropout this draws the cheaper
+            # mask (CPUDropout). fp32 without attention dropout (the paper's), training included, and GPUs keep
+            # SDPA: it reads the heads as strided views where matmuls copy them (an fp32 training attention block,
+            # forward and backward, 64 x 32 tokens, 8 heads: 7.4-8.0 ms against 10.0-10.3 ms on the 2-core Xeon).
             attention = cpu_attention_forward
         else:
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -950,6 +954,24 @@ class VaswaniDecoder(nn.Module):
         }
 
 
+def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
+    """Raise a clear error for labels outside [0, vocab_size) other than -100 (no loss there).
+
+    Checked where it costs no device sync and no graph break (CPU tensors, eager); on a GPU an id outside the
+    vocabulary stops the loss kernel with a device-side assert, never a silent result.
+
+    Raises:
+        ValueError: naming the first such label.
+    """
+    if labels.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    bad = labels.ne(-100) & (labels.lt(0) | labels.ge(vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"labels hold token id {int(labels[bad][0])}, outside this model's target vocabulary of "
+                         f"{vocab_size} entries (-100 marks positions without loss). The tokenizer does not match the "
+                         "model: use the tokenizer saved with it.")
+
+
 def check_input_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
     """Raise a clear error for token ids outside the embedding table (a tokenizer/model vocabulary mismatch).
 
@@ -1326,6 +1348,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         num_items_in_batch: int | torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         label_smoothing: float | None = None,
+        skip_logits: bool | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput:
         """
@@ -1342,14 +1365,20 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             label_smoothing: epsilon of label smoothing for the loss; `None` (default) and 0 give the plain
                 cross-entropy, as every transformers model returns. The training recipe passes
                 `config.label_smoothing` (0.1, §5.4) in training steps only, so evaluation losses stay unsmoothed.
+            skip_logits: whether the output leaves the logits out (`logits=None`), as Liger kernels' models and
+                transformers' Trainer name it. `None` (default): left out where the loss is computed fused with the
+                output projection, which never forms the logits: fp32 training steps with `labels` on a CPU in eager
+                mode (`kernels_vaswani.cpu_projected_cross_entropy`; Trainer reads only the loss there). `False`:
+                always returned (those steps then take the unfused path); `True`: never returned.
         Returns:
-            `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the mean
-            over labelled tokens of the cross-entropy (label-smoothed by `label_smoothing` when given: epsilon spread
-            uniformly over the vocabulary, torch's definition). A CPU training step with `labels` computes only the
-            positions it needs (`RealTokens`): logits are then 0 where the label is -100. The cache, passed as
-            `cache=` (transformers >= 5.24) or `past_key_values=`, is returned under the installed version's name.
+            `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions; `None` per `skip_logits`) and, with
+            `labels`, `loss`: the mean over labelled tokens of the cross-entropy (label-smoothed by `label_smoothing`
+            when given: epsilon spread uniformly over the vocabulary, torch's definition). A CPU training step with
+            `labels` computes only the positions it needs (`RealTokens`): logits are then 0 where the label is -100.
+            The cache, passed as `cache=` (transformers >= 5.24) or `past_key_values=`, is returned under the
+            installed version's name.
         Raises:
-            ValueError: both `cache` and `past_key_values` given.
+            ValueError: both `cache` and `past_key_values` given; `labels` outside the vocabulary.
         """
         past_key_values = _one_cache(past_key_values, cache)
         if labels is not None:
@@ -1389,13 +1418,22 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             hidden_states = hidden_states[:, kept]
         every_position = outputs.decoder_attentions is not None or outputs.decoder_hidden_states is not None
-        labelled = RealTokens.of(labels.ne(-100), self) if labels is not None and not every_position else None
-        loss = None
+        labelled = None
+        if labels is not None and not every_position:
+            labelled = RealTokens.of(labels.ne(-100), self, keep_all=skip_logits is not False)
+        loss = logits = None
         if labelled is not None:  # CPU training: the output projection and the loss on labelled positions only
-            logits = self.lm_head(labelled.pack(hidden_states))  # (N, V)
-            loss = self.loss(logits[None], labels.reshape(-1)[labelled.index][None], num_items_in_batch,
-                             label_smoothing=label_smoothing or 0.0)
-            logits = labelled.pad(logits)  # (B, T, V)
+            hidden_states, targets = labelled.pack(hidden_states), labels.reshape(-1)[labelled.index]  # (N, D), (N,)
+            if skip_logits is not False:
+                check_labels(targets, self.lm_head.out_features)
+                loss = cpu_projected_cross_entropy(
+                    hidden_states, self.lm_head.weight, targets, label_smoothing or 0.0,
+                    targets.numel() if num_items_in_batch is None else num_items_in_batch)
+            if loss is None:
+                logits = self.lm_head(hidden_states)  # (N, V)
+                loss = self.loss(logits[None], targets[None], num_items_in_batch,
+                                 label_smoothing=label_smoothing or 0.0)
+                logits = labelled.pad(logits) if not skip_logits else None  # (B, T, V)
         else:
             logits = self.lm_head(hidden_states)  # (B, T, V)
         if first_step:
@@ -1404,6 +1442,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             logits = skipping.expand_logits(logits)
         if labels is not None and labelled is None:
             loss = self.loss(logits, labels, num_items_in_batch, label_smoothing=label_smoothing or 0.0)
+        if skip_logits:
+            logits = None
         output = Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
@@ -1423,15 +1463,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         divided by `num_items_in_batch` (default: the number of labels != -100 in `labels`).
         `logits` `(B, T, V)`, `labels` `(B, T)` -> scalar."""
         labels = labels.to(logits.device)
-        # Checked where it costs no device sync and no graph break (CPU tensors, eager); on a GPU an id outside the
-        # vocabulary stops the kernel with a device-side assert, never a silent result.
-        bad = None
-        if labels.device.type == "cpu" and not torch.compiler.is_compiling():
-            bad = labels.ne(-100) & (labels.lt(0) | labels.ge(logits.size(-1)))
-        if bad is not None and bool(bad.any()):
-            raise ValueError(f"labels hold token id {int(labels[bad][0])}, outside this model's target vocabulary of "
-                             f"{logits.size(-1)} entries (-100 marks positions without loss). The tokenizer does not "
-                             "match the model: use the tokenizer saved with it.")
+        check_labels(labels, logits.size(-1))
         total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
                                 reduction="sum", label_smoothing=label_smoothing)
         if num_items_in_batch is None:
