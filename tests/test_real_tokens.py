@@ -155,3 +155,19 @@ def test_skip_logits_true_leaves_them_out_anywhere_with_the_same_loss():
     skipped = model(input_ids=ids, attention_mask=mask, labels=labels, skip_logits=True)
     assert kept.logits.shape == (4, 7, 99) and skipped.logits is None
     torch.testing.assert_close(skipped.loss, kept.loss, rtol=0, atol=0)
+
+
+def test_a_hooked_or_adapted_output_projection_keeps_its_own_forward(monkeypatch):
+    """The fused loss multiplies by lm_head.weight itself; a hook on lm_head (as an adapter would change its output)
+    must still shape the loss, so that step takes lm_head's forward."""
+    model = make_tiny_model(dropout=0.0).train()
+    ids, mask, labels = batch()
+    plain = model(input_ids=ids, attention_mask=mask, labels=labels)
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: out * 0.5)
+    hooked = model(input_ids=ids, attention_mask=mask, labels=labels)
+    handle.remove()
+    assert plain.logits is None and hooked.logits is not None
+    half = model(input_ids=ids, attention_mask=mask, labels=labels, skip_logits=False)
+    expected = model.loss(half.logits * 0.5, labels)
+    torch.testing.assert_close(hooked.loss, expected, rtol=1e-6, atol=1e-6)
+    assert abs(float(hooked.loss) - float(plain.loss)) > 0.01

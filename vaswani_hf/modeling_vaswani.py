@@ -1424,10 +1424,14 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
         loss = logits = None
         if labelled is not None:  # CPU training: the output projection and the loss on labelled positions only
             hidden_states, targets = labelled.pack(hidden_states), labels.reshape(-1)[labelled.index]  # (N, D), (N,)
-            if skip_logits is not False:
-                check_labels(targets, self.lm_head.out_features)
+            head = self.lm_head
+            # Only the plain projection: an adapter (PEFT), a replaced module, a bias or a hook on lm_head computes
+            # something else than hidden @ weight.T, so it keeps its own forward.
+            if (skip_logits is not False and type(head) is VaswaniLinear and head.bias is None
+                    and not head._forward_hooks and not head._forward_pre_hooks):
+                check_labels(targets, head.out_features)
                 loss = cpu_projected_cross_entropy(
-                    hidden_states, self.lm_head.weight, targets, label_smoothing or 0.0,
+                    hidden_states, head.weight, targets, label_smoothing or 0.0,
                     targets.numel() if num_items_in_batch is None else num_items_in_batch)
             if loss is None:
                 logits = self.lm_head(hidden_states)  # (N, V)
