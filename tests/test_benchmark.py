@@ -174,3 +174,28 @@ def test_dropout_benchmark_times_both_dropouts_and_restores_the_model_code(monke
     assert calls["torch"] == 3 * (2 + 5)  # the baseline: F.dropout for the 2 embedding and 5 residual dropouts
     assert modeling_vaswani.residual_dropout is bench.SHIPPED["residual_dropout"]
     assert modeling_vaswani.apply_dropout is bench.SHIPPED["apply_dropout"]
+
+
+def test_training_paths_benchmark_times_the_four_variants(monkeypatch):
+    from vaswani_hf import kernels_vaswani, modeling_vaswani
+
+    spec = importlib.util.spec_from_file_location("bench_training_paths",
+                                                  ROOT / "benchmarks" / "bench_training_paths.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = {"plain": 0, "fused": 0}
+    plain, fused = kernels_vaswani.cpu_attention_forward, kernels_vaswani.cpu_projected_cross_entropy
+    monkeypatch.setattr(modeling_vaswani, "cpu_projected_cross_entropy",
+                        lambda *a: calls.__setitem__("fused", calls["fused"] + 1) or fused(*a))
+    from transformers import AttentionInterface
+    AttentionInterface.register(bench.PLAIN_ATTENTION,
+                                lambda *a, **k: calls.__setitem__("plain", calls["plain"] + 1) or plain(*a, **k))
+    result = bench.main(["--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32", "--vocab-size", "50",
+                         "--batch-tokens", "64", "--src-len", "8", "--tgt-len", "8", "--train-reps", "1",
+                         "--malloc", "default"])
+    assert all(len(seconds) == 2 for seconds in result["seconds"].values()) and len(result["seconds"]) == 4
+    assert result["ratio"]["baseline (plain attention, F.cross_entropy)"] == 1.0
+    assert all(ratio > 0 for ratio in result["ratio_paired"].values())
+    # 3 steps (1 untimed, 2 timed) of each variant; a step has 3 attentions (1 encoder, 1 decoder layer)
+    assert calls["plain"] == 2 * 3 * 3  # the baseline and "fused loss only"
+    assert calls["fused"] == 2 * 3  # "fused loss only" and the default
