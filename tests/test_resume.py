@@ -80,9 +80,11 @@ def killed_and_resumed(tmp_path_factory, cache):
     reference = _start(reference_dir, cache, log=base / "reference.log")
     victim = _start(victim_dir, cache, log=base / "victim.log")
 
-    # Kill as soon as checkpoint-4 is complete (its trainer_state.json is written last).
+    # Kill as soon as checkpoint-4 is complete: its trainer_state.json, written last, exists and is whole (the file
+    # appears before Trainer has finished writing it; a kill in between leaves checkpoint-4 incomplete).
     deadline = time.monotonic() + TIMEOUT
-    while not (victim_dir / "checkpoint-4" / "trainer_state.json").is_file():
+    fourth = victim_dir / "checkpoint-4"
+    while not ((fourth / "trainer_state.json").is_file() and not checkpoint_problems(fourth)):
         assert victim.poll() is None, f"the run ended before checkpoint-4:\n{(base / 'victim.log').read_text()[-4000:]}"
         assert time.monotonic() < deadline, "no checkpoint-4 within the time limit"
         time.sleep(0.005)
