@@ -188,8 +188,9 @@ def test_training_paths_benchmark_times_the_four_variants(monkeypatch):
     monkeypatch.setattr(modeling_vaswani, "cpu_projected_cross_entropy",
                         lambda *a: calls.__setitem__("fused", calls["fused"] + 1) or fused(*a))
     from transformers import AttentionInterface
-    AttentionInterface.register(bench.PLAIN_ATTENTION,
-                                lambda *a, **k: calls.__setitem__("plain", calls["plain"] + 1) or plain(*a, **k))
+    # transformers' registry is global: the recording kernel is put back to the benchmark's when the test ends
+    monkeypatch.setitem(AttentionInterface._global_mapping, bench.PLAIN_ATTENTION,
+                        lambda *a, **k: calls.__setitem__("plain", calls["plain"] + 1) or plain(*a, **k))
     result = bench.main(["--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32", "--vocab-size", "50",
                          "--batch-tokens", "64", "--src-len", "8", "--tgt-len", "8", "--train-reps", "1",
                          "--malloc", "default"])
