@@ -110,7 +110,6 @@ PEAK_BF16_FLOPS = (
 
 
 def build_model(name: str, args) -> torch.nn.Module:
-    """Our model or MarianMTModel with the sizes in `args`, on `args.device`, fp32 weights (bf16 runs autocast)."""
     common = dict(dropout=args.dropout, attention_dropout=0.0, activation_dropout=0.0,
                   max_position_embeddings=args.max_positions)
     if name == "ours":
@@ -256,9 +255,12 @@ def bench_training(models, args) -> dict:
     for model in models.values():
         model.train()
     losses = {}
+    # --compile: the training steps call torch.compile's wrapper of each model (compiled during the warm-up call);
+    # generate() elsewhere runs the eager models.
+    callables = {name: torch.compile(model) if args.compile else model for name, model in models.items()}
 
     def step(name):
-        return lambda: losses.__setitem__(name, training_step(name, models[name], optimizers[name], batch, args))
+        return lambda: losses.__setitem__(name, training_step(name, callables[name], optimizers[name], batch, args))
 
     times = interleaved({name: step(name) for name in models}, args.train_reps, 1, args)
     for optimizer in optimizers.values():
@@ -332,6 +334,8 @@ def measure_gemm_peak(args, repetitions: int = 5) -> dict:
     `kernels_vaswani.cpu_training_matmul`), and the peak is the best of either: MKL runs AVX2 code on non-Intel CPUs,
     so on an AVX-512 AMD CPU oneDNN's peak is the machine's."""
     shapes = [(2048, 1024, 1024), (2048, 2048, 2048), (4096, 512, 2048), (4096, 2048, 512), (2048, 512, 8000)]
+    if args.device == "cuda":  # a GPU needs large products to reach its peak: the shapes of a 25,000-token step too
+        shapes += [(8192, 8192, 8192), (25000, 512, 2048), (25000, 2048, 512), (25000, 512, 8000)]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     libraries = {"blas": lambda a, b: a @ b}
     if args.device == "cpu" and dtype == torch.float32 and has_onednn_linear():
@@ -341,9 +345,10 @@ def measure_gemm_peak(args, repetitions: int = 5) -> dict:
         a = torch.randn(m, k, device=args.device, dtype=dtype)
         b = torch.randn(k, n, device=args.device, dtype=dtype)
         for library, product in libraries.items():
-            product(a, b)
+            for _ in range(3 if args.device == "cuda" else 1):  # warm-up (cuBLAS picks its kernel, clocks rise)
+                product(a, b)
             times = []
-            for _ in range(repetitions):
+            for _ in range(repetitions if args.device == "cpu" else 4 * repetitions):
                 synchronize(args)
                 start = time.perf_counter()
                 product(a, b)
@@ -588,33 +593,34 @@ def args_beams(results: dict) -> int:
     return results["settings"]["scaling_beams"]
 
 
-def print_report(results: dict) -> None:
-    train, memory = results["training"], results["memory"]
-    beam, greedy = results["beam"], results["greedy"]
+HEADER = (f"{'measure':50s} {'ours':>9s} {'Marian':>9s} {'wall':>6s} {'paired':>6s} {'CPU':>6s}")
+
+
+def print_rate(label: str, measured: dict, unit: str) -> None:
+    print(f"{label:50s} {measured['ours'][unit]:9.2f} {measured['marian'][unit]:9.2f} {measured['ratio']:6.2f} "
+          f"{measured['ratio_paired']:6.2f} {measured['ratio_cpu']:6.2f}")
+
+
+def print_training_report(results: dict) -> None:
+    """The training rows: tokens/s, on CUDA the MFU against the data-sheet peak, and the MFU table (unless
+    --no-mfu)."""
+    train = results["training"]
     print()
     print("ours/Marian: > 1 means ours is faster (rates) or uses more memory (MiB). wall: ratio of the median "
           "wall-clock rates; paired: median of the per-repetition ratios of back-to-back calls; CPU: ratio of the "
-          "median process CPU times.")
-    print(f"{'measure':50s} {'ours':>9s} {'Marian':>9s} {'wall':>6s} {'paired':>6s} {'CPU':>6s}")
-    rows = [
-        (f"training tokens/s ({train['batch_shape'][0]}x{train['batch_shape'][1]}, "
-         f"{train['target_tokens_per_step']} target tokens)", train, "tokens_per_s"),
-        (f"beam-{beam['beams']} sentences/s ({beam['batch']} sentences, {beam['new_tokens']} new tokens)",
-         beam, "sentences_per_s"),
-        (f"greedy sentences/s ({greedy['batch']} sentences, {greedy['new_tokens']} new tokens)",
-         greedy, "sentences_per_s"),
-    ]
-    for label, measured, unit in rows:
-        print(f"{label:50s} {measured['ours'][unit]:9.2f} {measured['marian'][unit]:9.2f} {measured['ratio']:6.2f} "
-              f"{measured['ratio_paired']:6.2f} {measured['ratio_cpu']:6.2f}")
-    print(f"{'peak training memory added, MiB (' + str(memory['batch_tokens']) + ' tokens)':50s} "
-          f"{memory['ours_mib']:9.1f} {memory['marian_mib']:9.1f} {memory['ratio']:6.3f}")
+          "median process CPU times." + (" Training steps run under torch.compile." if
+                                         results["settings"].get("compile") else ""))
+    print(HEADER)
+    print_rate(f"training tokens/s ({train['batch_shape'][0]}x{train['batch_shape'][1]}, "
+               f"{train['target_tokens_per_step']} target tokens)", train, "tokens_per_s")
     if "mfu" in train["ours"]:
         for name in MODELS:
             mfu = train[name]["mfu"]
             print(f"training MFU {name}: " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown peak") +
-                  f" ({train[name]['model_flops_per_s'] / 1e12:.1f} TFLOP/s; {train['flops_per_step']:.3g} "
-                  "FLOPs/step = 3 x forward matmul FLOPs on the padded batch)")
+                  f" of {train['peak_flops'] / 1e12:.0f} TFLOP/s ({train[name]['model_flops_per_s'] / 1e12:.1f} "
+                  f"TFLOP/s; {train['flops_per_step']:.3g} FLOPs/step = 3 x forward matmul FLOPs on the padded batch)"
+                  if train["peak_flops"] else f"training {name}: {train[name]['model_flops_per_s'] / 1e12:.1f} "
+                                              "TFLOP/s (no peak known for this device: --peak-flops)")
     if "mfu" in results:
         mfu = results["mfu"]
         peak = mfu["gemm_peak"]
@@ -632,6 +638,19 @@ def print_report(results: dict) -> None:
                   f"{row['ours']['model_flops_per_s'] / 1e9:13.1f} {100 * row['ours']['fraction_of_peak']:7.1f}% "
                   f"{row['marian']['model_flops_per_s'] / 1e9:15.1f} {100 * row['marian']['fraction_of_peak']:7.1f}% "
                   f"{row['ratio']:12.2f}")
+
+
+def print_report(results: dict) -> None:
+    memory, beam, greedy = results["memory"], results["beam"], results["greedy"]
+    print_training_report(results)
+    print()
+    print(HEADER)
+    print_rate(f"beam-{beam['beams']} sentences/s ({beam['batch']} sentences, {beam['new_tokens']} new tokens)",
+               beam, "sentences_per_s")
+    print_rate(f"greedy sentences/s ({greedy['batch']} sentences, {greedy['new_tokens']} new tokens)",
+               greedy, "sentences_per_s")
+    print(f"{'peak training memory added, MiB (' + str(memory['batch_tokens']) + ' tokens)':50s} "
+          f"{memory['ours_mib']:9.1f} {memory['marian_mib']:9.1f} {memory['ratio']:6.3f}")
     settings = results["settings"]
     print()
     print(f"beam-{settings['scaling_beams']} generate() seconds against new tokens "
@@ -692,6 +711,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="keep: glibc's malloc keeps freed memory for reuse (training.common.keep_freed_memory, as "
                           "vaswani-train does), for both models' speed measurements; default: glibc's defaults. The "
                           "memory measurements run in fresh processes with their own setting")
+    run.add_argument("--compile", action="store_true",
+                     help="torch.compile both models' forward for the training measurements (generate() stays eager)")
+    run.add_argument("--training-only", action="store_true",
+                     help="measure training (tokens/s and MFU) only: no generation, no memory")
     run.add_argument("--quick", action="store_true", help="a tiny model and few repetitions (seconds)")
     run.add_argument("--output", default="benchmark.json", help="JSON file with all measurements")
     run.add_argument("--plot", default=None, help="PNG file for the scaling plots")
@@ -766,6 +789,13 @@ def main(argv=None) -> dict | None:
         for label, row in results["mfu"]["sizes"].items():
             print(f"training MFU at {label} dims: ours {100 * row['ours']['fraction_of_peak']:.1f}% of the measured "
                   f"GEMM peak, Marian {100 * row['marian']['fraction_of_peak']:.1f}%", flush=True)
+    if args.training_only:
+        results["seconds"] = time.perf_counter() - started
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(results, indent=2))
+        print_training_report(results)
+        print(f"\nwrote {args.output} ({results['seconds']:.0f} s)")
+        return results
     results["beam"] = bench_generation(models, args, 4, args.gen_new_tokens, args.gen_batch, args.gen_reps)
     progress("beam-4 sentences/s", results["beam"])
     results["greedy"] = bench_generation(models, args, 1, args.gen_new_tokens, args.gen_batch, args.gen_reps)

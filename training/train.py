@@ -323,7 +323,8 @@ def _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_
         callbacks.append(BudgetPlanner(
             budget, training_args.max_steps, cooldown_fraction=preset.get("cooldown_fraction", 0.0),
             test_sentences=test_sentences, eval_sentences=len(eval_dataset) if eval_dataset is not None else 0,
-            precision=plan["precision"], precision_reason=plan["precision_reason"]))
+            precision=plan["precision"], precision_reason=plan["precision_reason"],
+            seconds_per_test_sentence=preset.get("seconds_per_test_sentence", 0.15)))
     trainer = PaperTrainer(
         model=model,
         args=training_args,
@@ -384,6 +385,9 @@ def _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_
         "train_tokens_per_second": round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1),
         "max_tokens": max_tokens,
         "device": str(trainer.args.device),
+        "device_name": torch.cuda.get_device_name(trainer.args.device) if trainer.args.device.type == "cuda" else None,
+        "distributed_type": trainer.accelerator.distributed_type.value,
+        "world_size": training_args.world_size,
         "mixed_precision": training_args.mixed_precision,
         "torch_threads": torch.get_num_threads(),
         "averaged_checkpoints": recipe.average_last,

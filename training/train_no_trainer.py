@@ -384,6 +384,7 @@ def _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tok
         "num_processes": accelerator.num_processes,
         "gradient_accumulation_steps": accumulation,
         "device": str(accelerator.device),
+        "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
         "torch_threads": torch.get_num_threads(),
         "averaged_checkpoints": recipe.average_last,
