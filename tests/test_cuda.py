@@ -263,3 +263,27 @@ def test_accelerate_fsdp_config_trains_the_big_preset(data, tmp_path):
             assert parameter.abs().max() > 0, name
     norm = model.model.encoder.layers[0].self_attn_layer_norm
     assert (norm.weight - 1).abs().max() > 0 and norm.bias.abs().max() > 0
+
+
+def test_beam_search_on_cuda_keeps_finished_sentences_in_the_batch_by_default(exact_fp32):
+    """On a GPU the default (`skip_finished_sentences = None`) runs every step on the whole batch (leaving finished
+    sentences out saves no launches and costs a host sync a step); `True` turns the skipping on, with the same
+    sequences."""
+    from _copy_task import sources, trained_copy_model
+
+    model = trained_copy_model(steps=40).cuda()
+    ids, mask = (t.cuda() for t in sources(seed=3, batch=12, min_len=1, max_len=9))
+    runs = {}
+    for setting in (None, True):
+        model.skip_finished_sentences = setting
+        rows = []
+        hook = model.model.decoder.register_forward_pre_hook(
+            lambda module, args, kw: rows.append((kw.get("input_ids") if kw.get("input_ids") is not None
+                                                  else args[0]).shape[0]), with_kwargs=True)
+        runs[setting] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, num_beams=4)
+        hook.remove()
+        runs[setting, "rows"] = rows
+    model.skip_finished_sentences = None
+    assert torch.equal(runs[None], runs[True])
+    assert set(runs[None, "rows"]) == {ids.shape[0] * 4}
+    assert min(runs[True, "rows"][1:]) < ids.shape[0] * 4
