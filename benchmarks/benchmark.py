@@ -48,7 +48,7 @@ Usage (the acceptance check in the README, paper base dims, vocabulary 8000):
     python benchmarks/benchmark.py --vocab-size 8000 --output /tmp/bench.json --plot /tmp/bench.png
 
 `--quick` runs a tiny model in seconds (the test uses it). `--device cuda --dtype bf16` runs under bf16 autocast
-on a GPU (not yet run on one). On a CPU shared with other work, `--threads 1` gives steadier numbers: intra-op
+on a GPU (README, "On a GPU (H100)"). On a CPU shared with other work, `--threads 1` gives steadier numbers: intra-op
 threads that wait for each other while another process holds a core can make single calls many times slower.
 """
 
