@@ -3,6 +3,9 @@
 `make_tiny_config(**overrides)` is importable (`from conftest import make_tiny_config`) for parametrized variants.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -133,3 +136,10 @@ def exits_with(call, *patterns) -> str:
     for pattern in patterns:
         assert re.search(pattern, message), f"{pattern!r} not in {message!r}"
     return message
+
+
+def write_jsonl(path: Path, pairs) -> str:
+    """Write (German, English) `pairs` as JSON lines of {"translation": {"de": ..., "en": ...}}; returns the path."""
+    path.write_text("".join(json.dumps({"translation": {"de": de, "en": en}}, ensure_ascii=False) + "\n"
+                            for de, en in pairs), encoding="utf-8")
+    return str(path)

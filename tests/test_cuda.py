@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGLISH, GERMAN, make_tiny_model
+from conftest import ENGLISH, GERMAN, make_tiny_model, write_jsonl
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration
 
@@ -154,12 +154,6 @@ def test_sdpa_with_a_padded_source_equals_eager_on_cuda(exact_fp32):
 
 
 # -- accelerate launch with the shipped configs -----------------------------------------------------------------------
-
-
-def write_jsonl(path: Path, pairs) -> str:
-    path.write_text("".join(json.dumps({"translation": {"de": de, "en": en}}, ensure_ascii=False) + "\n"
-                            for de, en in pairs), encoding="utf-8")
-    return str(path)
 
 
 @pytest.fixture(scope="module")

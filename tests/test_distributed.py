@@ -23,19 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGLISH, GERMAN
+from conftest import ENGLISH, GERMAN, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "training" / "accelerate_configs"
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4  # about 2% of the first update's learning rate (5.6e-3 for the tiny preset)
 STEPS = 3
-
-
-def write_jsonl(path: Path, pairs) -> str:
-    path.write_text("".join(json.dumps({"translation": {"de": de, "en": en}}, ensure_ascii=False) + "\n"
-                            for de, en in pairs), encoding="utf-8")
-    return str(path)
 
 
 @pytest.fixture(scope="module")
