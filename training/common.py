@@ -65,7 +65,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpu": {
         # The paper's base model (Table 3: d_model 512, 6+6 layers, 8 heads, d_ff 2048, dropout 0.1) on Multi30k on one
         # GPU within a time budget, as the cpu preset on a CPU: the planner fits the steps to the budget and ends the
-        # schedule in a linear cooldown. The departures: 4,096-token batches (the paper's 25,000 would be ~4 epochs of
+        # schedule in a linear cooldown. The departures: 4,096-token batches (the paper's 25,000 would be ~5 epochs of
         # Multi30k's 29,000 pairs per 100 steps) with a 1,000-step warmup and lr factor 0.5 (the paper's peak lr,
         # 7e-4), the budget and the cooldown. Dropout stays at 0.1: with 0.3, an H100 run scored 25.1 test BLEU where
         # 0.1 scored 37.7 in the same 8 minutes (README, "The main job on a GPU").
@@ -73,7 +73,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_tokens": 4096, "warmup_steps": 1000, "lr_factor": 0.5, "max_steps": 20_000, "vocab_size": 8000,
         "time_budget_minutes": 6, "cooldown_fraction": 0.2,
         # The planner's guess for the final test translation until a validation run has timed decoding (the cpu
-        # presets' guess, 0.15 s a sentence, is a CPU's; an H100 decoded the test set at 40-50 sentences/s).
+        # presets' guess, 0.15 s a sentence, is a CPU's; an H100 decoded the test set at 43-54 sentences/s).
         "seconds_per_test_sentence": 0.03,
         "max_eval_samples": 200,
         # Two loader processes collate the next batches while the GPU computes (padding ~300 sentences a step in
