@@ -1,6 +1,6 @@
 """Beam search with and without leaving finished sentences out of the decoder's batch, against MarianMTModel.
 
-`VaswaniForConditionalGeneration.skip_finished_sentences` (default True) lets beam search's decoding steps drop the
+`VaswaniForConditionalGeneration.skip_finished_sentences` (True; the default None: on a CPU only) lets decoding drop the
 sentences it has finished (`kernels_vaswani.FinishedSentenceSkipping`); its bookkeeping reads, once a step, which
 sentences are open, which makes the host wait for the device on a GPU. This script times `generate()` (beam 4,
 length penalty 0.6) of one model with the switch on and off, and MarianMTModel of the same size, alternating the
@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark  # noqa: E402
+from profile_cuda_step import launches_and_syncs  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -58,7 +59,7 @@ def main(argv=None) -> dict:
         times = benchmark.interleaved({"ours, skipping": skipping(True), "ours, no skipping": skipping(False),
                                        "marian": benchmark.generate_fn(marian, inputs, config, args)},
                                       args.gen_reps, 1, args)
-        ours.skip_finished_sentences = True
+        ours.skip_finished_sentences = None  # the default
         medians = {name: statistics.median(measured["wall"]) for name, measured in times.items()}
         results[batch] = medians
         print(f"batch {batch:4d}: " + ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in medians.items())
@@ -78,16 +79,11 @@ def main(argv=None) -> dict:
             with torch.profiler.profile(activities=activities) as profile:
                 run()
                 torch.cuda.synchronize()
-            counts = {}
-            for event in profile.key_averages():
-                if event.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")):
-                    counts["launches"] = counts.get("launches", 0) + event.count
-                elif event.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
-                                   "cudaEventSynchronize"):
-                    counts[event.key] = event.count
+            launches, syncs = launches_and_syncs(profile.key_averages())
+            counts = {"launches": launches, **syncs}
             print(f"{name}: per generated token " + ", ".join(
                 f"{key} {value / args.gen_new_tokens:.1f}" for key, value in counts.items()), flush=True)
-        ours.skip_finished_sentences = True
+        ours.skip_finished_sentences = None  # the default
     return results
 
 

@@ -28,6 +28,12 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "c
               "cudaEventSynchronize")
 
 
+def launches_and_syncs(events) -> tuple[int, dict[str, int]]:
+    """From `profile.key_averages()`: the kernel launches, and the calls of each of `SYNC_CALLS` that occurred."""
+    launches = sum(event.count for event in events if event.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
+    return launches, {event.key: event.count for event in events if event.key in SYNC_CALLS}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=benchmark.MODELS, default="ours")
@@ -53,9 +59,8 @@ def main(argv=None) -> dict:
             walls.append(time.perf_counter() - start)
     events = profile.key_averages()
     kernel_us = sum(event.self_device_time_total for event in events if event.device_type.name == "CUDA")
-    launches = sum(event.count for event in events if event.key in ("cudaLaunchKernel", "cuLaunchKernel",
-                                                                      "cudaLaunchKernelExC", "cuLaunchKernelEx"))
-    syncs = {event.key: event.count // own.steps for event in events if event.key in SYNC_CALLS}
+    launches, syncs = launches_and_syncs(events)
+    syncs = {key: count // own.steps for key, count in syncs.items()}
     wall = statistics.median(walls)
     per_step_kernel = kernel_us / 1e6 / own.steps
     print(f"{own.model}: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, batch "
