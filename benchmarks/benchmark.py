@@ -362,6 +362,48 @@ def measure_gemm_peak(args, repetitions: int = 5) -> dict:
             "dtype": str(dtype).replace("torch.", "")}
 
 
+# The operators whose time `time_products` sums: matrix products (torch's BLAS and oneDNN's linear) and the fused
+# attention kernels (whose Q K^T and weighted sum the FLOP count includes; they also do the softmax).
+PRODUCT_OPERATORS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
+ATTENTION_OPERATORS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                       "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def time_products(name: str, model, optimizer, batch, args) -> dict:
+    """Seconds spent inside the matrix products and inside the attention kernels during one training step, and the
+    step's wall time, measured by timing each operator call as it is dispatched (a `TorchDispatchMode`; CPU, where
+    operators return when done). What the rest of the step costs is the step minus these two. Returns
+    `{"products", "attention", "step"}` in seconds and `{"product_calls", "attention_calls"}`.
+
+    Their sum is the least a step could take if everything else (element-wise work, copies, Adam, Python) took no time:
+    `flops / (products + attention)` is the highest FLOP/s this step's products and attention kernels allow on this
+    machine, the ceiling of its MFU. The mode's own overhead (a Python call per operator) falls into the step's wall time
+    only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seconds = {"products": 0.0, "attention": 0.0}
+    calls = {"products": 0, "attention": 0}
+
+    class Timer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            operator = func._schema.name
+            kind = "products" if operator in PRODUCT_OPERATORS else (
+                "attention" if operator in ATTENTION_OPERATORS else None)
+            if kind is None:
+                return func(*args, **(kwargs or {}))
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            seconds[kind] += time.perf_counter() - start
+            calls[kind] += 1
+            return out
+
+    start = time.perf_counter()
+    with Timer():
+        training_step(name, model, optimizer, batch, args)
+    seconds["step"] = time.perf_counter() - start
+    return {**seconds, "product_calls": calls["products"], "attention_calls": calls["attention"]}
+
+
 # The sizes at which the CPU MFU is reported: the paper's base model and the `cpu` preset of training/common.py.
 MFU_SIZES = {"base": {"d_model": 512, "layers": 6, "heads": 8, "d_ff": 2048},
              "cpu": {"d_model": 256, "layers": 3, "heads": 4, "d_ff": 1024}}
@@ -386,9 +428,26 @@ def bench_mfu(args) -> dict:
                "padded_tokens": int(batch["input_ids"].numel() + batch["labels"].numel()),
                "ratio": measured["ratio"], "ratio_paired": measured["ratio_paired"]}
         for name in MODELS:
-            rate = flops / statistics.median(measured[name]["seconds"])
+            step = statistics.median(measured[name]["seconds"])
+            rate = flops / step
             row[name] = {"model_flops_per_s": rate, "fraction_of_peak": rate / peak["peak_flops_per_s"],
-                         "tokens_per_s": measured[name]["tokens_per_s"]}
+                         "tokens_per_s": measured[name]["tokens_per_s"], "step_seconds": step}
+            if args.device == "cpu":
+                models[name].train()
+                optimizer = make_optimizer(models[name])
+                training_step(name, models[name], optimizer, batch, sized)  # Adam's state, as in the timed steps
+                parts = sorted((time_products(name, models[name], optimizer, batch, sized) for _ in range(3)),
+                               key=lambda part: part["products"] + part["attention"])
+                median = parts[1]  # the step whose products and attention kernels took the median time
+                row[name].update({
+                    "products_seconds": median["products"], "attention_seconds": median["attention"],
+                    "ceiling_fraction_of_peak": flops / (median["products"] + median["attention"])
+                    / peak["peak_flops_per_s"]})
+                del optimizer
+        if args.device == "cpu":
+            # The most ours could gain on Marian's measured step if only its products and attention kernels took time.
+            row["ceiling_ratio"] = row["marian"]["step_seconds"] / (
+                row["ours"]["products_seconds"] + row["ours"]["attention_seconds"])
         result["sizes"][label] = row
         del models
         gc.collect()
@@ -638,6 +697,20 @@ def print_training_report(results: dict) -> None:
                   f"{row['ours']['model_flops_per_s'] / 1e9:13.1f} {100 * row['ours']['fraction_of_peak']:7.1f}% "
                   f"{row['marian']['model_flops_per_s'] / 1e9:15.1f} {100 * row['marian']['fraction_of_peak']:7.1f}% "
                   f"{row['ratio']:12.2f}")
+        if any("products_seconds" in row["ours"] for row in mfu["sizes"].values()):
+            print("where a step's time goes (one step timed operator by operator, median of 3): the matrix products, "
+                  "the attention kernels, and the rest; 'ceiling' is the FLOP/s over the peak, and ours over "
+                  "Marian's measured step, if the rest took no time")
+            print(f"{'dims':>6s} {'model':>7s} {'step s':>7s} {'products s':>11s} {'attention s':>12s} "
+                  f"{'rest s':>7s} {'ceiling':>8s}")
+            for label, row in mfu["sizes"].items():
+                for name in MODELS:
+                    part = row[name]
+                    rest = part["step_seconds"] - part["products_seconds"] - part["attention_seconds"]
+                    print(f"{label:>6s} {name:>7s} {part['step_seconds']:7.3f} {part['products_seconds']:11.3f} "
+                          f"{part['attention_seconds']:12.3f} {rest:7.3f} "
+                          f"{100 * part['ceiling_fraction_of_peak']:7.1f}%")
+                print(f"{label:>6s} ceiling of ours/Marian: {row['ceiling_ratio']:.2f} (measured {row['ratio']:.2f})")
 
 
 def print_report(results: dict) -> None:

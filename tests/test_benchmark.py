@@ -153,6 +153,39 @@ def test_quick_run_reports_mfu_against_the_measured_gemm_peak(quick_run):
             row[name]["model_flops_per_s"] / mfu["gemm_peak"]["peak_flops_per_s"])
 
 
+def test_quick_run_says_where_the_step_goes(quick_run):
+    row = quick_run["mfu"]["sizes"]["quick"]
+    peak = quick_run["mfu"]["gemm_peak"]["peak_flops_per_s"]
+    for name in ("ours", "marian"):
+        part = row[name]
+        inside = part["products_seconds"] + part["attention_seconds"]
+        assert positive(part["products_seconds"]) and inside < part["step_seconds"]
+        assert part["ceiling_fraction_of_peak"] == pytest.approx(row["flops_per_step_real_tokens"] / inside / peak)
+        assert part["ceiling_fraction_of_peak"] > part["fraction_of_peak"]
+    assert row["ceiling_ratio"] == pytest.approx(row["marian"]["step_seconds"] / (
+        row["ours"]["products_seconds"] + row["ours"]["attention_seconds"]))
+
+
+def test_time_products_sees_every_product_and_attention_kernel_of_a_step():
+    """Each linear layer's three products (forward, input gradient, weight gradient; the fused output projection and
+    loss too) and each attention block's flash kernel, forward and backward, are timed; nothing else is."""
+    benchmark = load_benchmark()
+    args = benchmark.parse_args(["--quick"])
+    torch.manual_seed(0)
+    model = benchmark.build_model("ours", args).train()
+    optimizer = benchmark.make_optimizer(model)
+    batch = benchmark.make_batch(args, args.batch_tokens)
+    # the first training step of a process times the two matmul libraries once (cpu_training_matmul)
+    benchmark.training_step("ours", model, optimizer, batch, args)
+    measured = benchmark.time_products("ours", model, optimizer, batch, args)
+    layers = args.layers
+    linears = layers * 6 + layers * 10 + 1  # encoder: q, k, v, out, fc1, fc2; decoder: + cross q, k, v, out; lm_head
+    assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == linears
+    assert measured["product_calls"] == 3 * linears
+    assert measured["attention_calls"] == 2 * (layers + 2 * layers)  # forward + backward per attention block
+    assert 0 < measured["products"] + measured["attention"] < measured["step"]
+
+
 def test_dropout_benchmark_times_both_dropouts_and_restores_the_model_code(monkeypatch):
     from vaswani_hf import kernels_vaswani, modeling_vaswani
 
