@@ -35,7 +35,10 @@ Measured:
   median FLOP/s of a few large fp32 matmuls at the benchmark's threads, `measure_gemm_peak`), for ours and Marian,
   at the paper's base dims and at the `cpu` preset's dims (`--no-mfu` skips it). On a CPU our training step runs
   its position-wise layers, output projection and loss on the real tokens only (`RealTokens` in
-  vaswani_hf/kernels_vaswani.py); MarianMTModel computes every padded position.
+  vaswani_hf/kernels_vaswani.py); MarianMTModel computes every padded position. On a CPU it also says where each
+  model's step goes: one step timed operator by operator (`time_products`) splits it into the matrix products, the
+  attention kernels and the rest, and the FLOPs over the first two give the MFU the step would reach, and the
+  ours/Marian ratio, if the rest took no time (a ceiling that making the rest cheaper can approach but not pass).
 * on CUDA: training MFU, model FLOPs per second over the device's peak dense bf16 FLOP/s (a table of known GPUs;
   `--peak-flops` for others). Model FLOPs of a training step are counted exactly for every matrix multiplication on
   the padded batch (projections, Q K^T, softmax x V, FFN, output projection over all target positions), times 3
@@ -377,8 +380,8 @@ def time_products(name: str, model, optimizer, batch, args) -> dict:
 
     Their sum is the least a step could take if everything else (element-wise work, copies, Adam, Python) took no time:
     `flops / (products + attention)` is the highest FLOP/s this step's products and attention kernels allow on this
-    machine, the ceiling of its MFU. The mode's own overhead (a Python call per operator) falls into the step's wall time
-    only."""
+    machine, the ceiling of its MFU. The mode's own overhead (a Python call per operator) falls into the step's wall
+    time only."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seconds = {"products": 0.0, "attention": 0.0}
