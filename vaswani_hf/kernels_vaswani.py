@@ -301,10 +301,10 @@ def cpu_projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labe
     and in the backward pass a zero-filled gradient of them (with the labels scattered in) and the logits' gradient.
     Here the logits' own buffer is the only one: turned into log-probabilities in place, and in the backward pass into
     the softmax in place (label smoothing's uniform term and the one-hot term are applied to the products' small
-    `(N, D)` and `(V, D)` results instead). So its backward runs once: a second one (retain_graph=True) raises RuntimeError. The
-    products run in `cpu_training_matmul()`'s library, as `VaswaniLinear`'s. Output projection and label-smoothed
-    loss, forward and backward, 1,827 rows -> 8,000 on the 2-core Xeon of the README: 168.9 against 180.5 ms at
-    d_model 512, 94.4 against 108.2 ms at 256.
+    `(N, D)` and `(V, D)` results instead). So its backward runs once: a second one (retain_graph=True) raises
+    RuntimeError. The products run in `cpu_training_matmul()`'s library, as `VaswaniLinear`'s. Output projection and
+    label-smoothed loss, forward and backward, 1,827 rows -> 8,000 on the 2-core Xeon of the README: 168.9 against
+    180.5 ms at d_model 512, 94.4 against 108.2 ms at 256.
 
     Args:
         hidden: `(N, D)` fp32 decoder states of the labelled positions only.
