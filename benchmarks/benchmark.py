@@ -436,7 +436,6 @@ def bench_mfu(args) -> dict:
             row[name] = {"model_flops_per_s": rate, "fraction_of_peak": rate / peak["peak_flops_per_s"],
                          "tokens_per_s": measured[name]["tokens_per_s"], "step_seconds": step}
             if args.device == "cpu":
-                models[name].train()
                 optimizer = make_optimizer(models[name])
                 training_step(name, models[name], optimizer, batch, sized)  # Adam's state, as in the timed steps
                 parts = sorted((time_products(name, models[name], optimizer, batch, sized) for _ in range(3)),
