@@ -1,6 +1,12 @@
-"""The joint BPE (§5.1): training from files and iterators, special ids, labels, exact decoding, saving with a model."""
+"""The joint BPE (§5.1): training from files and iterators, special ids, labels, exact decoding, saving with a model,
+and loading with no code of ours where the package is not installed."""
 
 import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from conftest import make_tiny_model
@@ -113,6 +119,90 @@ def test_saved_with_the_model_and_loaded_by_auto_tokenizer(tmp_path, tiny_tokeni
     text = " Leading space, 😀 and <s> survive"
     assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == text
     assert (loaded.pad_token_id, loaded.eos_token_id, len(loaded)) == (0, 2, len(tiny_tokenizer))
+
+
+def test_saved_tokenizer_config_names_a_transformers_class_and_no_code(tmp_path, tiny_tokenizer):
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    import vaswani_hf  # noqa: F401  (registers the model classes for remote code, which must not reach the tokenizer)
+
+    make_tiny_model(vocab_size=len(tiny_tokenizer)).save_pretrained(tmp_path)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert "auto_map" not in saved
+    assert tokenizer_class_from_name(saved["tokenizer_class"]).__module__.startswith("transformers.")
+    assert "auto_map" not in json.loads((tmp_path / "tokenizer.json").read_text())
+    # the only code in the folder is the model's (config.json's auto_map), none of it for AutoTokenizer
+    assert "AutoTokenizer" not in json.loads((tmp_path / "config.json").read_text())["auto_map"]
+
+
+# Loads the tokenizer in `python -I` with vaswani_hf refused by a meta-path finder (as tests/test_remote_code.py does),
+# stdin closed so that a trust_remote_code prompt ends at once.
+NO_PACKAGE_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+
+    class Refuse(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "vaswani_hf" or name.startswith("vaswani_hf."):
+                raise ImportError("vaswani_hf is hidden in this test")
+
+    sys.meta_path.insert(0, Refuse())
+    sys.path = [p for p in sys.path if p not in ("", ".") and p.rstrip("/") != sys.argv[3].rstrip("/")]
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder, how = sys.argv[1], sys.argv[2]
+    if how == "PreTrainedTokenizerFast":
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    elif how == "AutoTokenizer, trust_remote_code=True":
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = json.loads(sys.argv[4])
+    print("RESULT=" + json.dumps(dict(
+        module=type(tokenizer).__module__, ids=[tokenizer(text).input_ids for text in texts],
+        decoded=[tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) for text in texts],
+        vaswani_modules=sorted(m for m in sys.modules if m.startswith("vaswani_hf")))))
+    """
+)
+
+NO_PACKAGE_TEXTS = ["Zwei Hunde spielen im Schnee.", " <s> and 😀 stay text", ""]
+
+
+@pytest.mark.parametrize(
+    ("files", "how"),
+    [
+        ("tokenizer", "AutoTokenizer"),  # a tokenizer folder on its own: the tokenizer needs no code
+        ("model and tokenizer", "PreTrainedTokenizerFast"),  # reads the tokenizer files only
+        ("model and tokenizer", "AutoTokenizer, trust_remote_code=True"),  # as with the model itself
+        pytest.param("model and tokenizer", "AutoTokenizer", marks=pytest.mark.xfail(
+            strict=True, reason="transformers 5's AutoTokenizer reads config.json (remote code: the model's config "
+                                "class) before tokenizer_config.json, so it asks, whatever the tokenizer files say")),
+    ],
+)
+def test_tokenizer_loads_without_the_package_with_no_prompt(tmp_path, tiny_tokenizer, files, how):
+    import vaswani_hf
+
+    folder = tmp_path / "folder"
+    if files == "model and tokenizer":
+        make_tiny_model(vocab_size=len(tiny_tokenizer)).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(vaswani_hf.__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="warning")
+    completed = subprocess.run(
+        [sys.executable, "-I", "-c", NO_PACKAGE_SCRIPT, str(folder), how, repo_root, json.dumps(NO_PACKAGE_TEXTS)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    output = completed.stdout + completed.stderr
+    assert "trust_remote_code" not in output and "custom code" not in output
+    assert "instantiate a model of type" not in output
+    result = json.loads(completed.stdout.split("RESULT=")[-1])
+    assert result["vaswani_modules"] == []
+    assert result["module"].startswith("transformers.")  # transformers' class, not code from the folder
+    assert result["ids"] == [tiny_tokenizer(text).input_ids for text in NO_PACKAGE_TEXTS]
+    assert result["decoded"] == NO_PACKAGE_TEXTS
 
 
 @pytest.mark.parametrize(

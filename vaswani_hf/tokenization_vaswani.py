@@ -1,9 +1,12 @@
 """The joint subword vocabulary of §5.1: one BPE model (Sennrich et al., 2016) learned from source and target text
 together, so that one embedding matrix can serve both languages (§3.4).
 
-Built with `tokenizers` and returned as a standard transformers fast tokenizer: it saves as `tokenizer.json` with the
-model and loads back with `AutoTokenizer.from_pretrained`, with no code of ours needed (nothing beyond the config and
-modeling files is remote code).
+Built with `tokenizers` and returned as a standard transformers fast tokenizer: it saves as `tokenizer.json` and a
+`tokenizer_config.json` that names transformers' own class and carries no `auto_map`, so it loads back with no code of
+ours (nothing beyond the config and modeling files is remote code). Where this package is not installed,
+`PreTrainedTokenizerFast.from_pretrained(folder)` reads those two files only; `AutoTokenizer.from_pretrained(folder)`
+on a model folder reads its `config.json` first, whose class is remote code, and so asks for `trust_remote_code=True`
+as the model does (a folder holding the tokenizer alone needs nothing).
 
 Design:
 - SentencePiece-style spaces: the normalizer turns every space into "▁" and puts one "▁" in front of the text, the
