@@ -1,6 +1,7 @@
 """generate(): greedy, beam search and sampling; the cache; padding; text in, text out."""
 
 import copy
+
 import pytest
 import torch
 from conftest import make_tiny_model, padded_batch

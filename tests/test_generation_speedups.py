@@ -1,7 +1,7 @@
 """What makes generate() cheaper than transformers' defaults gives exactly what the defaults give.
 
 - `_expand_inputs_for_generation` keeps one encoder row per sentence, and encoder-decoder attention groups the
-  beams (or samples) of a sentence against it (`VaswaniAttention._grouped`);
+  beams (or samples) of a sentence against it (`generation_vaswani.group_queries`);
 - `_reorder_cache` follows the beams in the self-attention cache only;
 - the self-attention cache is `VaswaniSelfAttentionCache` (written in place, no concatenation), not `DynamicCache`;
 - `logits_to_keep` projects only the positions asked for;
@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import make_tiny_model, padded_batch
 from transformers import GenerationMixin
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import DynamicCache
 
 from vaswani_hf import VaswaniForConditionalGeneration
 

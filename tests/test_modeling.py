@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import make_tiny_config, make_tiny_model, padded_batch
 from safetensors import safe_open
 from transformers import AttentionInterface, AutoModel, AutoModelForSeq2SeqLM, Trainer, TrainingArguments

@@ -4,9 +4,9 @@ A training step on a CPU runs the position-wise layers on the real tokens only: 
 mask keeps, each target row's positions up to its last label, and the output projection and loss the labelled
 positions. With dropout off, the loss, every gradient and the logits at labelled positions are those of the padded
 layout (`RealTokens.enabled = False`) to float rounding, in post-LN and pre-LN, with left- and right-padded sources and
-gaps in the labels, under gradient checkpointing and under bf16 autocast. Batches where it would change a result (a source row that is all padding) or
-gain nothing (no padding), and calls that need every position (eval, attention probabilities, hidden states),
-keep the padded layout.
+gaps in the labels, under gradient checkpointing and under bf16 autocast. Batches where it would change a result (a
+source row that is all padding) or gain nothing (no padding), and calls that need every position (eval, attention
+probabilities, hidden states), keep the padded layout.
 """
 
 import pytest

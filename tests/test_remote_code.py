@@ -14,6 +14,9 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoToken
 import vaswani_hf
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
 
+CODE_FILES = ("configuration_vaswani.py", "generation_vaswani.py", "kernels_vaswani.py", "loading_vaswani.py",
+              "modeling_vaswani.py")
+
 
 def test_importing_the_package_registers_the_auto_classes(tmp_path, tiny_tokenizer):
     assert isinstance(AutoConfig.for_model("vaswani", d_model=64, num_heads=2), VaswaniConfig)
@@ -33,11 +36,13 @@ def test_saved_folder_carries_auto_map_and_the_code_files(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForSeq2SeqLM"}
     package = Path(vaswani_hf.__file__).parent
-    for name in ("configuration_vaswani.py", "modeling_vaswani.py", "kernels_vaswani.py"):
+    assert {p.name for p in tmp_path.glob("*.py")} == set(CODE_FILES)
+    for name in CODE_FILES:
         assert (tmp_path / name).read_text() == (package / name).read_text()
-    # the model code imports nothing of this package but the configuration file
-    for name in ("modeling_vaswani.py", "kernels_vaswani.py"):
-        assert "vaswani_hf" not in (tmp_path / name).read_text()
+    # the model code names nothing of this package: it imports the other code files by relative imports
+    for name in CODE_FILES:
+        if name != "configuration_vaswani.py":  # whose docstring shows `from vaswani_hf import VaswaniConfig`
+            assert "vaswani_hf" not in (tmp_path / name).read_text()
 
 
 # Runs with `python -I` (no PYTHONPATH, no user site, no current directory on sys.path) from the saved folder's

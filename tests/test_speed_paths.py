@@ -18,7 +18,8 @@ from conftest import make_tiny_model, padded_batch
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from vaswani_hf import kernels_vaswani
-from vaswani_hf.kernels_vaswani import VaswaniLinear, VaswaniSelfAttentionCache, VaswaniSelfAttentionCacheLayer
+from vaswani_hf.generation_vaswani import VaswaniSelfAttentionCache, VaswaniSelfAttentionCacheLayer
+from vaswani_hf.kernels_vaswani import VaswaniLinear
 from vaswani_hf.modeling_vaswani import apply_dropout, residual_dropout
 
 
@@ -436,8 +437,6 @@ def test_onednn_training_linear_computes_only_the_gradients_asked_for(monkeypatc
 def test_onednn_training_path_takes_only_fp32_training_steps(monkeypatch):
     monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "onednn")
     model = make_tiny_model()
-    ids, mask = padded_batch(length=9)
-    labels = ids.masked_fill(mask.eq(0), -100)
     linear = model.model.encoder.layers[0].fc1
     model.train()
     assert linear.trains_with_onednn(torch.randn(2, 32))

@@ -39,7 +39,8 @@ if __package__ in (None, ""):
 
 logger = logging.getLogger("vaswani_hf.export")
 
-EXPORTED_CODE = ("configuration_vaswani.py", "kernels_vaswani.py", "modeling_vaswani.py")
+EXPORTED_CODE = ("configuration_vaswani.py", "generation_vaswani.py", "kernels_vaswani.py", "loading_vaswani.py",
+                 "modeling_vaswani.py")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "model_card.md"
 HUB_SUBFOLDER = "hub"  # where the training scripts export before pushing: <output_dir>/hub
 LANGUAGE_NAMES = {"de": "German", "en": "English", "fr": "French", "cs": "Czech", "ro": "Romanian", "ru": "Russian",
@@ -141,7 +142,7 @@ def _read_metrics(path: Path | None) -> dict[str, Any]:
 
 
 def check_hub_folder(folder: str | os.PathLike) -> None:
-    """Check what the export promises: the three model code files and no other code, config.json with auto_map,
+    """Check what the export promises: the five model code files and no other code, config.json with auto_map,
     safetensors weights holding a shared embedding once, a tokenizer, generation config and README.
 
     Raises:

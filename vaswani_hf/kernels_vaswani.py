@@ -1,19 +1,18 @@
-"""CPU kernels of the Transformer in `modeling_vaswani.py`: faster paths that compute what the plain torch code computes.
+"""CPU kernels of the Transformer in `modeling_vaswani.py`: faster paths that compute what plain torch code computes.
 
 - `CPUDropout`, `CPUDropoutAdd`: dropout (and dropout followed by the residual add) with a cheaper random mask
   (§5.4's dropout, same distribution, scale and gradient);
 - `cpu_attention_forward`: Eq. 1 on a CPU for bf16/fp16 (scores in fp32) and for training with attention dropout;
 - `VaswaniLinear`: `nn.Linear` that multiplies in oneDNN in fp32 CPU training where oneDNN is much faster than
-  torch's BLAS (`cpu_training_matmul`), and with oneDNN-packed weights during CPU inference; `packed_cpu_linears`,
-  the context that packs them (with the stacked q|k|v input projections) for `generate()`, keeping the packed
-  copies for the next call while the weights stay unchanged;
-- `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer;
+  torch's BLAS (`cpu_training_matmul`, which measures once which library is faster), and with oneDNN-packed weights
+  during CPU inference; `packed_cpu_linears`, the context that packs them (with the stacked q|k|v input projections)
+  for `generate()`, keeping the packed copies for the next call while the weights stay unchanged;
 - `RealTokens`: CPU training runs the position-wise layers on the real (non-padding) tokens of a batch only;
 - `cpu_projected_cross_entropy`: a CPU training step's output projection and label-smoothed loss in one function,
   without materializing anything of the `(N, V)` logits' size but one buffer.
 
-Like `modeling_vaswani.py`, it imports only torch and transformers: transformers copies it beside the model code
-(relative imports) for `trust_remote_code=True`.
+The KV cache and beam search's bookkeeping live in `generation_vaswani.py`. Like the model files, it imports only torch
+and transformers: transformers copies it beside the model code (relative imports) for `trust_remote_code=True`.
 """
 
 import contextlib
@@ -24,7 +23,6 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -35,8 +33,8 @@ def _dropout_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
 
     torch's CPU `bernoulli_` spends about 6 ns per element; here one 64-bit random draw decides four elements: an
     element is kept when its 16-bit quarter is at least -2^15 + round(p * 2^16) (for p = 0.1: kept with probability
-    0.899994). For 1,827 x 512 elements on a 2-core Xeon: 1.2 ms, against 2.3 ms with a 32-bit threshold per element
-    and 6.4 ms for `bernoulli_`."""
+    0.899994), a fraction of `bernoulli_`'s time and half that of a 32-bit threshold per element
+    (benchmarks/bench_dropout.py)."""
     numel = x.numel()
     bits = torch.empty((numel + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
     return bits.view(torch.int16)[:numel].view(x.shape) >= -(2**15) + round(p * 2**16)
@@ -85,11 +83,11 @@ class CPUDropoutAdd(torch.autograd.Function):
         return grad, grad_x, None
 
 
-def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                         value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
-                                         dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """Eq. 1 on a CPU where "sdpa" would run torch's CPU flash-attention kernel slowly: in bf16/fp16 (about 4x the
-    time of this at B=64, H=8, T=32 on an AVX512-BF16 CPU), and in training steps with attention dropout (not the
+def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                          **kwargs) -> tuple[torch.Tensor, None]:
+    """Eq. 1 on a CPU where "sdpa" would run torch's CPU flash-attention kernel slowly: in bf16/fp16 (several times
+    this one's time, benchmarks/bench_training_paths.py), and in training steps with attention dropout (not the
     paper's; `CPUDropout` draws the mask). Q K^T, the mask and the softmax in fp32 (autocast off: the scores are
     not rounded to 8 bits of mantissa before the softmax), the product with V in the inputs' precision. Shapes as
     `eager_attention_forward`; returns the output `(B, Tq, H, Dh)` and no probabilities."""
@@ -136,8 +134,8 @@ def cpu_training_matmul() -> str:
     x86 builds).
 
     MKL runs its AVX2 code on non-Intel CPUs, so on CPUs whose AVX-512 units are full width (AMD Zen 5) oneDNN's
-    AVX-512 code multiplies about twice as fast (2 cores, base-model shapes: 450-500 against 220-230 GFLOP/s); on
-    Intel CPUs and on AVX2 CPUs the two are within about 10 % of each other. So this is decided by measuring, once
+    AVX-512 code multiplies about twice as fast at base-model shapes; on Intel CPUs and on AVX2 CPUs the two are
+    within about 10 % of each other (benchmarks/benchmark.py reports both). So this is decided by measuring, once
     per process: the three products of a linear's training step (forward x W^T, input gradient g W, weight
     gradient g^T x; 512 rows, 512 -> 1024 features) with both, best of 5 each (about 0.1 s); oneDNN is chosen only
     when it takes at most 1/1.3 of BLAS's time, so noise cannot flip the choice where the two are close. The
@@ -169,7 +167,7 @@ def _onednn_grad_weight(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
     oneDNN takes its first operand contiguous (a transposed view is copied) and its second one as it is: g^T x copies
     g^T (rows x out), (x^T g)^T copies x^T and the (in, out) result; the smaller copies win (the latter for the output
-    projection, in 512, out 8000: 35 against 64 ms on 1,827 rows)."""
+    projection, 512 -> 8,000, in about half the time)."""
     (rows, in_features), out_features = x.shape, grad.shape[1]
     if in_features * (rows + out_features) < out_features * rows:
         return _onednn_linear(x.t(), grad.t()).t().contiguous()
@@ -209,10 +207,9 @@ class VaswaniLinear(nn.Linear):
       and backward, where `cpu_training_matmul()` found oneDNN much faster than torch's BLAS on this CPU (about 2x on
       AMD Zen 5); elsewhere it is `nn.Linear`'s.
     - Inference: while `packed_weight` holds the weight in oneDNN's blocked layout (`generate()` packs it for the
-      duration of the call: `VaswaniForConditionalGeneration.cpu_packed_linears`), an fp32 forward on a CPU without
-      autograd and without autocast multiplies with oneDNN. For the few rows of a decoding step (64 rows, d_model
-      512) that is 25-40 % faster than torch's default BLAS call even on an AMD EPYC where the two libraries are
-      within 14 % of each other at training sizes.
+      duration of the call: `VaswaniGenerationMixin.cpu_packed_linears`), an fp32 forward on a CPU without autograd
+      and without autocast multiplies with oneDNN: for the few rows of a decoding step, prepacked weights are faster
+      than torch's default BLAS call even where the two libraries are close at training sizes.
 
     Results agree with `nn.Linear`'s to fp32 rounding. GPUs, bf16 and `torch.compile`d or exported graphs always take
     `nn.Linear`'s path.
@@ -302,9 +299,8 @@ def cpu_projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labe
     Here the logits' own buffer is the only one: turned into log-probabilities in place, and in the backward pass into
     the softmax in place (label smoothing's uniform term and the one-hot term are applied to the products' small
     `(N, D)` and `(V, D)` results instead). So its backward runs once: a second one (retain_graph=True) raises
-    RuntimeError. The products run in `cpu_training_matmul()`'s library, as `VaswaniLinear`'s. Output projection and
-    label-smoothed loss, forward and backward, 1,827 rows -> 8,000 on the 2-core Xeon of the README: 168.9 against
-    180.5 ms at d_model 512, 94.4 against 108.2 ms at 256.
+    RuntimeError. The products run in `cpu_training_matmul()`'s library, as `VaswaniLinear`'s
+    (benchmarks/bench_training_paths.py compares it with the unfused projection and loss).
 
     Args:
         hidden: `(N, D)` fp32 decoder states of the labelled positions only.
@@ -322,127 +318,7 @@ def cpu_projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labe
     return _ProjectedCrossEntropy.apply(hidden, weight, labels, float(label_smoothing), divisor)
 
 
-# Incremental decoding: the decoder self-attention cache ---------------------------------------------------------------
-
-
-class VaswaniSelfAttentionCacheLayer(DynamicLayer):
-    """One decoder layer's self-attention keys and values while decoding token by token (`generate()`).
-
-    transformers' `DynamicLayer` concatenates every new position onto its keys and values, copying all P cached
-    positions at each step, and beam search's reorder allocates fresh tensors at each step. Here keys and values live
-    in one preallocated buffer `(B, 2, H, capacity, Dh)`: a new position is written in place, and a beam reorder
-    gathers the P filled positions into a second buffer of the same size, which then takes the first one's place.
-    `keys` and `values` are `(B, H, P, Dh)` views of the filled part, so attention reads them without a copy.
-
-    Args:
-        capacity: positions to allocate at the first update (`generate()` passes its maximum length); the buffer
-            doubles whenever an update would overflow it, so any length works.
-    """
-
-    def __init__(self, capacity: int = 0):
-        super().__init__()
-        self.capacity = max(int(capacity or 0), 0)
-        self.length = 0
-        self._buffer: torch.Tensor | None = None  # (B, 2, H, capacity, Dh)
-        self._spare: torch.Tensor | None = None  # the same shape: where the next reorder gathers into
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append `(B, H, T, Dh)` keys and values; returns `(B, H, P + T, Dh)` views of all cached ones."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start, end = self.length, self.length + key_states.shape[-2]
-        buffer = self._buffer
-        if buffer is None or end > buffer.shape[3] or buffer.shape[0] != key_states.shape[0] \
-                or buffer.dtype != key_states.dtype:
-            self._reallocate(key_states, end)
-        self._buffer[:, 0, :, start:end] = key_states
-        self._buffer[:, 1, :, start:end] = value_states
-        self.length = end
-        self._set_views()
-        return self.keys, self.values
-
-    def _reallocate(self, key_states: torch.Tensor, needed: int) -> None:
-        batch, heads, _, head_dim = key_states.shape
-        old = self._buffer
-        grown = 2 * old.shape[3] if old is not None else 0
-        buffer = key_states.new_empty(batch, 2, heads, max(needed, self.capacity, grown, 16), head_dim)
-        if old is not None and self.length:
-            buffer[:, :, :, : self.length] = old[:, :, :, : self.length]
-        self._replace(buffer)
-
-    def _set_views(self) -> None:
-        filled = self._buffer[:, :, :, : self.length]
-        self.keys, self.values = filled[:, 0], filled[:, 1]
-
-    def _replace(self, buffer: torch.Tensor) -> None:
-        self._buffer, self._spare = buffer, None
-        self._set_views()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row i takes the keys and values of row `beam_idx[i]` (beam search, after every step)."""
-        if not self.length:
-            return
-        if self._spare is None:
-            self._spare = torch.empty_like(self._buffer)
-        filled = slice(0, self.length)
-        torch.index_select(self._buffer[:, :, :, filled], 0, beam_idx.to(self._buffer.device),
-                           out=self._spare[:, :, :, filled])
-        self._buffer, self._spare = self._spare, self._buffer
-        self._set_views()
-
-    def select_rows(self, rows: torch.LongTensor) -> None:
-        """Keep rows `rows` (in that order; fewer than now): beam search dropping finished sentences."""
-        if not self.length:
-            return
-        if self._spare is None:
-            self._spare = torch.empty_like(self._buffer)
-        count, filled = len(rows), slice(0, self.length)
-        # the leading rows of both buffers, which stay allocated: no fresh memory to fault in at every shrink
-        torch.index_select(self._buffer[:, :, :, filled], 0, rows.to(self._buffer.device),
-                           out=self._spare[:count, :, :, filled])
-        self._buffer, self._spare = self._spare[:count], self._buffer[:count]
-        self._set_views()
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def reset(self) -> None:
-        self.length = 0
-        self._buffer = self._spare = None
-        super().reset()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` positions (transformers' convention: a negative count)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop() takes a negative number of positions to remove, got {tokens_to_remove}.")
-        if tokens_to_remove and self.length:
-            self.length = max(self.length + tokens_to_remove, 0)
-            self._set_views()
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.length:
-            self._replace(self._buffer.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.length:
-            self._replace(self._buffer[indices])
-
-
-class VaswaniSelfAttentionCache(DynamicCache):
-    """A `DynamicCache` of `VaswaniSelfAttentionCacheLayer`s, one per decoder layer, created as they are first
-    updated: the self-attention half of the `EncoderDecoderCache` that the decoder and `generate()` use.
-
-    Args:
-        capacity: positions each layer allocates at its first update (0: as many as the first update brings).
-    """
-
-    def __init__(self, capacity: int = 0):
-        super().__init__()
-        self.layer_class_to_replicate = functools.partial(VaswaniSelfAttentionCacheLayer, capacity)
+# Packed weights for inference ---------------------------------------------------------------------------------------
 
 
 def _packing_key(linears: list, fused: dict) -> tuple:
@@ -463,10 +339,15 @@ def _packing_key(linears: list, fused: dict) -> tuple:
     return tuple(parts)
 
 
+def _plain_projection(module: nn.Module) -> bool:
+    """Whether `module` computes x W^T + b as `VaswaniLinear` does (not wrapped, e.g. by a PEFT adapter)."""
+    return isinstance(module, VaswaniLinear) and type(module).forward is VaswaniLinear.forward
+
+
 @contextlib.contextmanager
-def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection_class: type):
-    """The body of `VaswaniForConditionalGeneration.cpu_packed_linears` (see there); `attention_class` and
-    `input_projection_class` are the model's attention and input projection types."""
+def packed_cpu_linears(model: nn.Module):
+    """The body of `VaswaniGenerationMixin.cpu_packed_linears` (see there). The attentions whose input projections
+    are stacked are the modules whose class declares `fused_inputs` (`VaswaniAttention`)."""
     linears = [module for module in model.modules() if isinstance(module, VaswaniLinear)]
     wanted = (model.use_cpu_packed_linears and has_onednn_linear() and linears
               and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
@@ -477,10 +358,10 @@ def packed_cpu_linears(model: nn.Module, attention_class: type, input_projection
         return
     fused = {}  # attention -> its stacked input projections
     for module in model.modules():
-        if isinstance(module, attention_class):
+        if hasattr(type(module), "fused_inputs"):
             group = (module.k_proj, module.v_proj) if module.is_cross_attention else \
                 (module.q_proj, module.k_proj, module.v_proj)
-            if all(type(projection) is input_projection_class for projection in group):
+            if all(_plain_projection(projection) for projection in group):
                 fused[module] = group
     covered = {id(projection) for group in fused.values() for projection in group}
     linears = [module for module in linears if id(module) not in covered]
@@ -610,111 +491,3 @@ class _Pad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad.reshape(grad.shape[0], -1).index_select(0, ctx.tokens.index).view(-1, *grad.shape[1:]), None
-
-
-# Beam search without the sentences it has finished ---------------------------------------------------------------------
-
-
-class FinishedSentenceSkipping:
-    """Beam search state that lets decoding steps leave out the sentences beam search has finished.
-
-    transformers' beam search keeps every sentence of the batch in every step until the last one is done; the steps of
-    a finished sentence change nothing it returns (with `early_stopping=True`, or once no hypothesis can improve on
-    its finished ones, every new candidate of the sentence is scored -1e9 below its finished hypotheses). So after the
-    step in which a sentence finishes, its rows leave the decoder's batch, as CTranslate2 does: the self-attention
-    cache keeps only the rows of the open sentences (the beam reorder gathers exactly those), the encoder-decoder
-    cache, encoder output and source mask only their sentences, and the finished rows' logits are zeros (finite; never
-    used). The first step, where the beams of a sentence hold the same start token, runs once per sentence (as
-    CTranslate2 does) and its cache and logits are repeated for the beams. Used only where nothing of a finished sentence's later steps is returned: no scores, logits, attentions or
-    hidden states asked for, no sampling, our self-attention cache.
-
-    Args:
-        batch: sentences; beams: rows per sentence.
-    """
-
-    def __init__(self, batch: int, beams: int, device: torch.device):
-        self.batch, self.beams, self.device = batch, beams, device
-        self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # finished, as of the last step
-        self.sentences: torch.LongTensor | None = None  # open sentences in the decoder's batch (None: all)
-        self.rows: torch.LongTensor | None = None  # their rows among the batch * beams of beam search
-        self.closed_rows: torch.LongTensor | None = None  # the other rows
-        self._encoder: tuple | None = None  # (encoder states, source mask) of the open sentences
-
-    def note_finished(self, is_sent_finished: torch.Tensor, early_stopping, no_improvement: torch.Tensor) -> None:
-        """After a step: a sentence whose `num_beams` hypotheses are finished, with `early_stopping=True` or no
-        improvement possible, is done."""
-        full = is_sent_finished.all(dim=-1)
-        if early_stopping is not True:
-            full = full & no_improvement.reshape(-1)
-        self.done |= full
-
-    def reorder(self, cache, beam_idx: torch.LongTensor) -> bool:
-        """Beam search's cache reorder, dropping the rows of sentences done since the last step. Returns False when
-        nothing was dropped yet (the caller then reorders as usual)."""
-        open_now = (~self.done).nonzero().flatten()
-        if self.sentences is None and len(open_now) == self.batch:
-            return False
-        if len(open_now) == 0:  # the loop ends after this step; keep the last layout
-            open_now = self.sentences if self.sentences is not None else torch.arange(self.batch, device=self.device)
-        full = self.batch * self.beams
-        old_rows = self.rows if self.rows is not None else torch.arange(full, device=self.device)
-        old_sentences = self.sentences if self.sentences is not None else torch.arange(self.batch, device=self.device)
-        new_rows = (open_now[:, None] * self.beams + torch.arange(self.beams, device=self.device)).flatten()
-        position = torch.full((full,), -1, dtype=torch.long, device=self.device)
-        position[old_rows] = torch.arange(len(old_rows), device=self.device)
-        sources = position[beam_idx.to(self.device)[new_rows]]  # beams stay within their (open) sentence
-        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-        if len(new_rows) == len(old_rows):
-            self_cache.reorder_cache(sources)
-        else:
-            for layer in self_cache.layers:
-                layer.select_rows(sources)
-            if isinstance(cache, EncoderDecoderCache):
-                sentence_position = torch.full((self.batch,), -1, dtype=torch.long, device=self.device)
-                sentence_position[old_sentences] = torch.arange(len(old_sentences), device=self.device)
-                kept = sentence_position[open_now]
-                for layer in cache.cross_attention_cache.layers:
-                    if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                        layer.keys = layer.keys.index_select(0, kept)
-                        layer.values = layer.values.index_select(0, kept)
-            self._encoder = None
-        self.sentences, self.rows = open_now, new_rows
-        closed = torch.ones(full, dtype=torch.bool, device=self.device)
-        closed[new_rows] = False
-        self.closed_rows = closed.nonzero().flatten()
-        return True
-
-    def first_step_rows(self, decoder_input_ids: torch.LongTensor, cache) -> bool:
-        """Whether this is beam search's first step with the same decoder input in all beams of each sentence (as
-        `generate()` expands it): then one row per sentence computes what all of its beams would."""
-        if self.rows is not None or cache is None or cache.get_seq_length() != 0:
-            return False
-        if decoder_input_ids.shape[0] != self.batch * self.beams:
-            return False
-        grouped = decoder_input_ids.view(self.batch, self.beams, -1)
-        return bool(grouped.eq(grouped[:, :1]).all())
-
-    def expand_first_step(self, cache, logits: torch.Tensor) -> torch.Tensor:
-        """After a first step on one row per sentence: every beam's row gets its sentence's cache and logits."""
-        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-        for layer in self_cache.layers:
-            layer.batch_repeat_interleave(self.beams)
-        return logits.repeat_interleave(self.beams, dim=0)
-
-    def compact_inputs(self, decoder_input_ids, attention_mask, encoder_outputs):
-        """The open sentences' part of a decoding step's inputs (full batch -> open rows)."""
-        if self._encoder is None:
-            states = encoder_outputs[0] if encoder_outputs is not None else None
-            self._encoder = (
-                states.index_select(0, self.sentences) if states is not None else None,
-                attention_mask.index_select(0, self.sentences) if attention_mask is not None else None)
-        states, mask = self._encoder
-        if encoder_outputs is not None:
-            encoder_outputs = type(encoder_outputs)(last_hidden_state=states) if hasattr(
-                encoder_outputs, "last_hidden_state") else (states,)
-        return decoder_input_ids.index_select(0, self.rows), mask, encoder_outputs
-
-    def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """`(open rows, T, V)` -> `(batch * beams, T, V)`, zeros in the rows of finished sentences."""
-        full = logits.new_empty(self.batch * self.beams, *logits.shape[1:])
-        return full.index_copy_(0, self.rows, logits).index_fill_(0, self.closed_rows, 0.0)

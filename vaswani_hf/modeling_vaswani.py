@@ -2,70 +2,51 @@
 
 The file reads top to bottom like §3 of the paper:
 
-    §5.4  residual dropout ............... apply_dropout, residual_dropout
-    §3.5  positional encoding ............ VaswaniSinusoidalPositionalEncoding, VaswaniLearnedPositionalEmbedding
-    §3.2  attention ...................... eager_attention_forward (Eq. 1), VaswaniAttention (multi-head)
-    §3.1  encoder and decoder layers ..... VaswaniEncoderLayer, VaswaniDecoderLayer (the FFN of §3.3 inside)
-    §3.1  the two stacks ................. VaswaniEncoder, VaswaniDecoder
-    §3.4  shared embeddings and softmax .. VaswaniModel, VaswaniForConditionalGeneration
-    §5.4  loss (label smoothing on request) VaswaniForConditionalGeneration.forward
+    §5.4    residual dropout .................. apply_dropout, residual_dropout
+    §3.5    positional encoding ............... VaswaniSinusoidalPositionalEncoding, VaswaniLearnedPositionalEmbedding
+    §3.2    attention ......................... eager_attention_forward (Eq. 1), VaswaniAttention (multi-head, §3.2.2)
+    §3.2.3  masks ............................. _padding_mask, _causal_mask
+    §3.1    encoder and decoder layers ........ VaswaniEncoderLayer, VaswaniDecoderLayer (with the FFN of §3.3, Eq. 2)
+    §3.1    the two stacks .................... VaswaniEncoder, VaswaniDecoder
+    §3.4    shared embeddings and softmax ..... VaswaniModel, VaswaniForConditionalGeneration
+    §5.4    loss (label smoothing on request) . VaswaniForConditionalGeneration.forward, .loss
 
-The CPU kernels (the cheaper dropout mask, CPU attention, oneDNN-packed linears, the in-place decoding cache, training
-on the real tokens of a padded batch) live beside it in `kernels_vaswani.py`. It imports only torch, transformers,
-`configuration_vaswani.py` and `kernels_vaswani.py`: the three files are copied to the Hub and loaded there with `trust_remote_code=True`.
+Beside it, each copied to the Hub with it and loaded there with `trust_remote_code=True` (relative imports):
+`configuration_vaswani.py` (the config), `kernels_vaswani.py` (CPU kernels: the cheaper dropout mask, CPU attention,
+oneDNN linears, training on the real tokens of a padded batch), `generation_vaswani.py` (`generate()` with the paper's
+decoding, §6.1, the in-place KV cache and beam search without finished sentences) and `loading_vaswani.py`
+(`from_pretrained`'s checks and old-checkpoint conversion). They import only torch, transformers, safetensors and each
+other.
 
 Shapes in comments: B batch, S source length, T target length (new tokens), P past (cached) target length,
 D d_model, H heads, Dh = D / H, V vocabulary.
 """
 
-import contextlib
-import copy
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import logging
 
-try:
-    from .configuration_vaswani import VaswaniConfig
-    from .kernels_vaswani import (CPUDropout, CPUDropoutAdd, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
-                                  VaswaniSelfAttentionCache, cpu_attention_forward, cpu_projected_cross_entropy,
-                                  packed_cpu_linears)
-except ImportError:  # loaded as a standalone file
-    from configuration_vaswani import VaswaniConfig
-    from kernels_vaswani import (CPUDropout, CPUDropoutAdd, FinishedSentenceSkipping, RealTokens, VaswaniLinear,
-                                 VaswaniSelfAttentionCache, cpu_attention_forward, cpu_projected_cross_entropy,
-                                 packed_cpu_linears)
-
-logger = logging.get_logger(__name__)
-
-# transformers 5.24 renamed `past_key_values` to `cache` (model keyword, `generate()`'s model_kwargs, output field) and
-# keeps the old name as a deprecated alias; the model takes either and speaks the installed version's name.
-CACHE_NAME = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
-
-
-def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
-    """The cache passed as `past_key_values=` (transformers < 5.24) or `cache=` (>= 5.24).
-
-    Raises:
-        ValueError: when both are given.
-    """
-    if past_key_values is not None and cache is not None:
-        raise ValueError("Pass the cache once: as `cache=` (transformers >= 5.24) or as `past_key_values=`, not both.")
-    if past_key_values is not None and CACHE_NAME == "cache":
-        warnings.warn("`past_key_values` is deprecated (transformers >= 5.24): use `cache` instead.", FutureWarning,
-                      stacklevel=3)
-    return cache if cache is not None else past_key_values
+from .configuration_vaswani import VaswaniConfig
+from .generation_vaswani import CACHE_NAME, VaswaniGenerationMixin, VaswaniSelfAttentionCache, _one_cache, group_queries
+from .kernels_vaswani import (
+    CPUDropout,
+    CPUDropoutAdd,
+    RealTokens,
+    VaswaniLinear,
+    cpu_attention_forward,
+    cpu_projected_cross_entropy,
+)
+from .loading_vaswani import VaswaniLoadingMixin
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -81,13 +62,14 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-# §5.4 Residual dropout -----------------------------------------------------------------------------------------------
+# §5.4 Residual dropout ------------------------------------------------------------------------------------------------
 
 
 def apply_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """Dropout (§5.4: rate `p` on every sublayer output and on the embedding sums): in training, each element is
     zeroed with probability `p` and the rest are scaled by 1 / (1 - p); the identity otherwise. Same semantics as
-    `F.dropout`, which runs on GPUs and under `torch.compile`; on a CPU `CPUDropout` (kernels_vaswani.py) draws the mask cheaply."""
+    `F.dropout`, which runs on GPUs and under `torch.compile`; on a CPU `CPUDropout` (kernels_vaswani.py) draws the
+    mask cheaply."""
     if not training or p == 0.0:
         return x
     if x.device.type == "cpu" and 0.0 < p < 1.0 and not torch.compiler.is_compiling():
@@ -105,7 +87,7 @@ def residual_dropout(residual: torch.Tensor, x: torch.Tensor, p: float, training
     return residual + apply_dropout(x, p, training)
 
 
-# §3.5 Positional encoding -------------------------------------------------------------------------------------------
+# §3.5 Positional encoding ---------------------------------------------------------------------------------------------
 
 
 def sinusoidal_table(num_positions: int, d_model: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -182,7 +164,13 @@ def _embed_positions(embed_positions: nn.Module, start, length, needed, device) 
     return embed_positions(torch.arange(length, device=device) + start)
 
 
-# §3.2 Attention ------------------------------------------------------------------------------------------------------
+def _positional_encoding(config: VaswaniConfig) -> nn.Module:
+    if config.position_embedding_type == "learned":
+        return VaswaniLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
+    return VaswaniSinusoidalPositionalEncoding(config.max_position_embeddings, config.d_model)
+
+
+# §3.2 Attention -------------------------------------------------------------------------------------------------------
 
 
 def eager_attention_forward(
@@ -287,7 +275,7 @@ class VaswaniAttention(nn.Module):
                 `(B, T)` layout.
             key_value_states: `(B, S, D)` encoder output for encoder-decoder attention, else `None`. It may also be
                 `(B / k, S, D)`: one encoder row shared by k consecutive decoder rows, as `generate()` passes it for
-                the k beams (or samples) of each sentence (see `_grouped`).
+                the k beams (or samples) of each sentence (see `group_queries`).
             attention_mask: additive `(B, 1, T, T_k)` mask or `None` (`(B / k, 1, T, S)` with a shared encoder row).
             past_key_values: an `EncoderDecoderCache` during incremental decoding.
             encoder_tokens: with `tokens`, the real tokens of the `(N_S, D)` `key_value_states`.
@@ -309,7 +297,7 @@ class VaswaniAttention(nn.Module):
                     key, value = cache.update(key, value, self.layer_idx)
                     past_key_values.is_updated[self.layer_idx] = True
             if key.shape[0] != batch:
-                query, attention_mask, groups = self._grouped(query, key, attention_mask)
+                query, attention_mask, groups = group_queries(query, key, attention_mask)
         else:
             query, key, value = self._project(hidden_states, (self.q_proj, self.k_proj, self.v_proj), fused=True,
                                               tokens=tokens)
@@ -325,24 +313,13 @@ class VaswaniAttention(nn.Module):
             attention = eager_attention_forward
         elif implementation == "sdpa" and query.device.type == "cpu" and (
                 query.dtype in (torch.bfloat16, torch.float16) or (self.training and self.dropout > 0.0)):
-            # torch's CPU flash-attention kernel in bf16 takes ~4x the time of this (forward and backward, B=64,
-            # H=8, T=32, on an AVX512-BF16 CPU: 21 ms vs 5-7 ms); with attention dropout this draws the cheaper
-            # mask (CPUDropout). fp32 without attention dropout (the paper's), training included, and GPUs keep
-            # SDPA: it reads the heads as strided views where matmuls copy them (an fp32 training attention block,
-            # forward and backward, 64 x 32 tokens, 8 heads: 7.4-8.0 ms against 10.0-10.3 ms on the 2-core Xeon).
+            # torch's CPU SDPA is slow in bf16 and draws a costly dropout mask; fp32 without attention dropout keeps
+            # SDPA, which reads the heads as strided views (benchmarks/bench_training_paths.py)
             attention = cpu_attention_forward
         else:
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        output, probs = attention(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            scaling=self.scaling,
-            dropout=self.dropout if self.training else 0.0,
-            **kwargs,
-        )
+        output, probs = attention(self, query, key, value, attention_mask, scaling=self.scaling,
+                                  dropout=self.dropout if self.training else 0.0, **kwargs)
         output = output.reshape(batch, length, self.d_model)  # (B / k, k * T, H, Dh) is (B, T, D)
         if tokens is not None:
             output = tokens.pack(output)  # (N, D)
@@ -351,40 +328,57 @@ class VaswaniAttention(nn.Module):
             probs = probs.unflatten(2, (groups, length)).transpose(1, 2).flatten(0, 1)
         return output, (probs if output_attentions else None)
 
-    def _grouped(self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None):
-        """Queries of k decoder rows that share one encoder row, as k * T queries of that row.
 
-        `generate()` runs k = `num_beams` (or `num_return_sequences`) hypotheses per sentence, and
-        `_expand_inputs_for_generation` keeps the encoder output at one row per sentence. Attending with the
-        k hypotheses' queries together, `(B / k, H, k * T, Dh)`, against the sentence's keys and values computes the
-        same attention (encoder-decoder attention has no causal mask, and its padding mask is the same for every
-        query) while the keys and values are projected, cached and read once per sentence instead of k times.
-
-        Returns:
-            the grouped query, the padding mask for it (`(B / k, 1, 1, S)`, or `None`), and k.
-        """
-        batch, rows = query.shape[0], key.shape[0]
-        if batch % rows:
-            raise ValueError(
-                f"Encoder-decoder attention got {batch} decoder rows for {rows} encoder rows; the decoder batch must "
-                "equal the encoder batch, or be a multiple of it with each encoder row shared by consecutive decoder "
-                "rows (as generate() does for beams)."
-            )
-        groups = batch // rows
-        query = query.unflatten(0, (rows, groups)).transpose(1, 2).flatten(2, 3)  # (B / k, H, k * T, Dh)
-        if attention_mask is not None:
-            attention_mask = attention_mask[:, :, :1]  # a padding mask: one row serves every query
-        return query, attention_mask, groups
+# §3.2.3 Masks: padding, and the future positions of the decoder -------------------------------------------------------
 
 
-# §3.1 Encoder and decoder layers -------------------------------------------------------------------------------------
+def _padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, query_length: int) -> torch.Tensor | None:
+    """`(B, L)` 1/0 mask -> additive `(B, 1, query_length, L)` mask (0 keep, dtype-min drop); `None` if no mask.
+
+    Built whenever a mask is given, even one that keeps every position: deciding that would read the mask's values
+    (a host sync, and a branch a traced or exported graph would freeze)."""
+    if attention_mask is None:
+        return None
+    return _additive(attention_mask[:, None, None, :].eq(0).expand(-1, 1, query_length, -1), dtype)
+
+
+def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask (True: hidden) -> additive mask of its shape: 0 where attending, dtype's minimum elsewhere."""
+    return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(blocked, torch.finfo(dtype).min)
+
+
+def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, past, key_length: int,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Additive `(B, 1, T, K)` mask hiding future positions (§3.2.3) and padded keys.
+
+    `past` is the number of cached positions (an int, or a 0-dim tensor for transformers' static cache), `key_length`
+    K the number of keys attention sees: `past + T`, or the static cache's full length, whose unwritten slots lie in
+    the future of every query. `attention_mask` is `(B, T)`, `(B, P + T)` or `(B, K)` (1 keep, 0 pad), or a ready
+    `(B, 1, T, K)` mask, boolean (True attends) or additive, as `generate()` builds for a static cache. `None` when one
+    new position attends to all keys, all of them real (incremental decoding with a dynamic cache needs no mask).
+    """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return _additive(~attention_mask, dtype) if attention_mask.dtype == torch.bool else attention_mask.to(dtype)
+    if length == 1 and attention_mask is None and isinstance(past, int) and key_length == past + length:
+        return None
+    query_pos = torch.arange(length, device=device) + past  # (T,)
+    key_pos = torch.arange(key_length, device=device)  # (K,)
+    blocked = (key_pos[None, :] > query_pos[:, None])[None, None]  # (1, 1, T, K)
+    if attention_mask is not None:
+        if attention_mask.shape[1] < key_length:  # a static cache's future slots: hidden by causality already
+            attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[1]), value=1)
+        blocked = blocked | attention_mask[:, None, None, -key_length:].eq(0)
+    return _additive(blocked.expand(batch, 1, length, key_length), dtype)
+
+
+# §3.1 Encoder and decoder layers --------------------------------------------------------------------------------------
 
 
 class VaswaniEncoderLayer(GradientCheckpointingLayer):
     """One encoder layer (§3.1): self-attention, then the position-wise FFN (§3.3, Eq. 2).
 
     Each sublayer is wrapped as LayerNorm(x + Dropout(Sublayer(x))) (post-LN, the paper) or
-    x + Dropout(Sublayer(LayerNorm(x))) (pre-LN, `normalize_before=True`).
+    x + Dropout(Sublayer(LayerNorm(x))) (pre-LN, `normalize_before=True`): `sublayer_input`, then `add_and_norm`.
     """
 
     def __init__(self, config: VaswaniConfig):
@@ -405,26 +399,24 @@ class VaswaniEncoderLayer(GradientCheckpointingLayer):
         x = apply_dropout(x, p=self.activation_dropout, training=self.training)
         return self.fc2(x)
 
+    def sublayer_input(self, hidden_states: torch.Tensor, layer_norm: nn.LayerNorm) -> torch.Tensor:
+        """What a sublayer reads: x itself (post-LN, the paper), or LayerNorm(x) (pre-LN)."""
+        return layer_norm(hidden_states) if self.normalize_before else hidden_states
+
+    def add_and_norm(self, residual: torch.Tensor, output: torch.Tensor, layer_norm: nn.LayerNorm) -> torch.Tensor:
+        """Figure 1's "Add & Norm": LayerNorm(x + Dropout(Sublayer(x))) (§3.1, §5.4); pre-LN returns the sum."""
+        hidden_states = residual_dropout(residual, output, self.dropout, self.training)
+        return hidden_states if self.normalize_before else layer_norm(hidden_states)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_attentions: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(B, S, D)` -> `(B, S, D)`, and the self-attention probabilities if `output_attentions`. With `tokens=`
         (a `RealTokens`, CPU training) the hidden states are the `(N, D)` real tokens only."""
-        residual = hidden_states
-        if self.normalize_before:
-            hidden_states = self.self_attn_layer_norm(hidden_states)
-        hidden_states, attn = self.self_attn(hidden_states, attention_mask=attention_mask,
-                                             output_attentions=output_attentions, **kwargs)
-        hidden_states = residual_dropout(residual, hidden_states, self.dropout, self.training)
-        if not self.normalize_before:
-            hidden_states = self.self_attn_layer_norm(hidden_states)
-
-        residual = hidden_states
-        if self.normalize_before:
-            hidden_states = self.final_layer_norm(hidden_states)
-        hidden_states = residual_dropout(residual, self.feed_forward(hidden_states), self.dropout, self.training)
-        if not self.normalize_before:
-            hidden_states = self.final_layer_norm(hidden_states)
-        return hidden_states, attn
+        output, attn = self.self_attn(self.sublayer_input(hidden_states, self.self_attn_layer_norm),
+                                      attention_mask=attention_mask, output_attentions=output_attentions, **kwargs)
+        hidden_states = self.add_and_norm(hidden_states, output, self.self_attn_layer_norm)
+        output = self.feed_forward(self.sublayer_input(hidden_states, self.final_layer_norm))
+        return self.add_and_norm(hidden_states, output, self.final_layer_norm), attn
 
 
 class VaswaniDecoderLayer(VaswaniEncoderLayer):
@@ -454,41 +446,21 @@ class VaswaniDecoderLayer(VaswaniEncoderLayer):
         )
         attentions = []
         for attention, layer_norm, key_value_states, mask in sublayers:
-            residual = hidden_states
-            if self.normalize_before:
-                hidden_states = layer_norm(hidden_states)
-            hidden_states, attn = attention(hidden_states, key_value_states=key_value_states, attention_mask=mask,
-                                            past_key_values=past_key_values, output_attentions=output_attentions,
-                                            **kwargs)
-            hidden_states = residual_dropout(residual, hidden_states, self.dropout, self.training)
-            if not self.normalize_before:
-                hidden_states = layer_norm(hidden_states)
+            output, attn = attention(self.sublayer_input(hidden_states, layer_norm), key_value_states=key_value_states,
+                                     attention_mask=mask, past_key_values=past_key_values,
+                                     output_attentions=output_attentions, **kwargs)
+            hidden_states = self.add_and_norm(hidden_states, output, layer_norm)
             attentions.append(attn)
-
-        residual = hidden_states
-        if self.normalize_before:
-            hidden_states = self.final_layer_norm(hidden_states)
-        hidden_states = residual_dropout(residual, self.feed_forward(hidden_states), self.dropout, self.training)
-        if not self.normalize_before:
-            hidden_states = self.final_layer_norm(hidden_states)
-        return hidden_states, attentions[0], attentions[1]
+        output = self.feed_forward(self.sublayer_input(hidden_states, self.final_layer_norm))
+        return self.add_and_norm(hidden_states, output, self.final_layer_norm), attentions[0], attentions[1]
 
 
-# Initialization and the common base ----------------------------------------------------------------------------------
+# Initialization and the common base -----------------------------------------------------------------------------------
 
 
-class VaswaniPreTrainedModel(PreTrainedModel):
-    """Weights initialization as in fairseq's reference Transformer, and what transformers needs to know."""
-
-    def train(self, mode: bool = True):
-        if mode:  # training will change the weights: weights packed for generate() are dropped (kernels_vaswani)
-            self.__dict__.pop("_packed_cpu_linears", None)
-        return super().train(mode)
-
-    def __getstate__(self):  # copy.deepcopy and pickle: weights packed for generate() are not part of the model
-        state = dict(super().__getstate__())
-        state.pop("_packed_cpu_linears", None)
-        return state
+class VaswaniPreTrainedModel(VaswaniLoadingMixin, PreTrainedModel):
+    """Weights initialization as in fairseq's reference Transformer, and what transformers needs to know; loading
+    (`from_pretrained`'s checks, old checkpoints) comes from `VaswaniLoadingMixin` (loading_vaswani.py)."""
 
     config_class = VaswaniConfig
     base_model_prefix = "model"
@@ -496,96 +468,11 @@ class VaswaniPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["VaswaniEncoderLayer", "VaswaniDecoderLayer"]
     _supports_sdpa = True
-    # Our masks are additive (B, 1, T_q, T_k) tensors, the format of eager and sdpa. Flash attention wants 2D padding
-    # masks (and transformers' flash path unpads encoder-decoder queries with the key mask), flex attention a
-    # BlockMask; neither is verified here, so transformers refuses them with a clear error instead of computing
-    # wrong attention.
+    # Our masks are additive (B, 1, T_q, T_k) tensors, eager's and sdpa's format; flash attention (2D padding masks)
+    # and flex attention (a BlockMask) are not verified, so transformers refuses them with a clear error.
     _supports_flash_attn = False
     _supports_flex_attn = False
     _can_compile_fullgraph = True
-
-    def mark_tied_weights_as_initialized(self, loading_info):
-        """transformers' step before initializing the weights a checkpoint lacks: it flags every tied parameter as
-        initialized. Our embeddings are tied by sharing one module (§3.4), so `encoder.embed_tokens.weight` *is*
-        `shared.weight`, and flagging it would flag the source as well: a checkpoint without the embedding would leave
-        it uninitialized on the meta device and not report it missing. Parameters that are their own source are
-        skipped here; the rest is transformers' step."""
-        tied = getattr(self, "all_tied_weights_keys", {}) or {}
-        sources = {id(self.get_parameter(source)) for source in set(tied.values())}
-        for target in tied:
-            parameter = self.get_parameter(target)
-            if id(parameter) not in sources:
-                parameter._is_hf_initialized = True
-        if self.is_custom_code():  # as transformers: module-tied names whose module was loaded are not missing
-            loading_info.missing_keys = {
-                key for key in loading_info.missing_keys
-                if key in tied or not getattr(self.get_parameter_or_buffer(key), "_is_hf_initialized", False)}
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, reading weights from safetensors only and refusing weights that cannot be
-        right: a truncated or corrupted safetensors file (a copy, download or save that did not finish; safetensors'
-        own error names no file) and weights holding NaN or infinity (flipped bytes, or a run that diverged), which
-        would otherwise translate garbage without a word.
-
-        `use_safetensors` defaults to True: a folder with only `pytorch_model.bin` (a pickle) is refused unless the
-        caller passes `use_safetensors=False` on purpose.
-
-        Loading a local folder is strict: a weight the model needs that model.safetensors lacks (transformers would
-        initialize it at random and only log it) or a tensor in the file that the model has no place for is an error,
-        unless the caller passes `output_loading_info=True` and so receives the missing and unexpected names to check.
-
-        Raises:
-            OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf,
-                or model.safetensors lacks weights of the model or holds unexpected ones.
-        """
-        kwargs.setdefault("use_safetensors", True)
-        legacy = None
-        if kwargs.get("state_dict") is None and pretrained_model_name_or_path is not None:
-            legacy = _read_fused_projection_checkpoint(pretrained_model_name_or_path, kwargs)
-        if legacy is not None:  # weights converted here; config and generation config still read from the folder
-            return cls._from_converted(pretrained_model_name_or_path, legacy, *args, **kwargs)
-        try:
-            loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        except Exception as error:
-            if type(error).__name__ != "SafetensorError":
-                raise
-            raise OSError(
-                f"{pretrained_model_name_or_path}: the weights file (model.safetensors) cannot be read: {error}. It is "
-                "truncated or corrupted, e.g. by a copy, download or save that did not finish; copy or download it "
-                "again, or load another checkpoint."
-            ) from error
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        if not kwargs.get("output_loading_info"):
-            _check_loaded_weight_names(model, pretrained_model_name_or_path, kwargs)
-        for name, tensor in model.state_dict().items():
-            if tensor.device.type != "meta" and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise ValueError(
-                    f"{pretrained_model_name_or_path}: weight {name} holds NaN or infinite values. The weights file is "
-                    "corrupted, or the training run that wrote it diverged; load an earlier checkpoint."
-                )
-        return loaded
-
-    @classmethod
-    def _from_converted(cls, path, state_dict: dict[str, torch.Tensor], *args, **kwargs):
-        """`from_pretrained` of a checkpoint whose weights `split_fused_projections` converted to `state_dict`."""
-        hub = {name: kwargs[name] for name in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
-               if kwargs.get(name) is not None}
-        if not isinstance(kwargs.get("config"), VaswaniConfig):
-            kwargs["config"] = cls.config_class.from_pretrained(kwargs.pop("config", None) or path, **hub)
-        for name in hub:
-            kwargs.pop(name)
-        logger.info(f"{path}: converting fused attention input projections (qkv_proj, kv_proj) to q_proj, k_proj, "
-                    "v_proj; save the model again to store the new names.")
-        loaded = super().from_pretrained(None, *args, state_dict=state_dict, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        _check_loaded_weight_names(model, path, {**kwargs, **hub}, converted=set(state_dict))
-        if hasattr(model, "generation_config"):
-            try:
-                model.generation_config = GenerationConfig.from_pretrained(path, **hub)
-            except OSError:  # no generation_config.json: the defaults from the config stay
-                pass
-        return loaded
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
         """transformers' `resize_token_embeddings`: resizes the input embeddings and updates `config.vocab_size`.
@@ -627,178 +514,65 @@ class VaswaniPreTrainedModel(PreTrainedModel):
             init.copy_(module.weight, sinusoidal_table(*module.weight.shape))
 
 
-_FUSED_PROJECTIONS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("kv_proj", ("k_proj", "v_proj")))
+# Input checks ---------------------------------------------------------------------------------------------------------
 
 
-def split_fused_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint keys of the fused input projections (`self_attn.qkv_proj`, `encoder_attn.kv_proj`, whose `(n * D, D)`
-    weights stack W^Q, W^K, W^V) as the separate `q_proj`, `k_proj`, `v_proj` of `VaswaniAttention`; other keys as they
-    are."""
-    converted = {}
-    for key, tensor in state_dict.items():
-        for fused, names in _FUSED_PROJECTIONS:
-            if f".{fused}." in key:
-                prefix, suffix = key.split(f".{fused}.")
-                for name, block in zip(names, tensor.chunk(len(names), dim=0), strict=True):
-                    converted[f"{prefix}.{name}.{suffix}"] = block.contiguous()
-                break
-        else:
-            converted[key] = tensor
-    return converted
+def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
+    """Raise a clear error for labels outside [0, vocab_size) other than -100 (no loss there), where that costs no
+    device sync and no graph break (CPU tensors, eager); on a GPU the loss kernel's device-side assert stops instead.
 
-
-def _read_fused_projection_checkpoint(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
-    """The state dict of a checkpoint written with fused input projections, converted by `split_fused_projections`;
-    `None` for a checkpoint with today's names or one that cannot be read here (`from_pretrained` then reads it and
-    reports any problem itself)."""
-    try:
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-        from transformers.utils import cached_file
-
-        options = {name: kwargs[name] for name in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
-                   if kwargs.get(name) is not None}
-        file = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False, **options)
-        if file is None:
-            return None
-        with safe_open(file, framework="pt") as handle:
-            keys = list(handle.keys())
-        if not any(f".{fused}." in key for key in keys for fused, _ in _FUSED_PROJECTIONS):
-            return None
-        return split_fused_projections(load_file(file))
-    except Exception:  # noqa: BLE001 - the normal loading path reports what is wrong with the file
-        return None
-
-
-def _check_loaded_weight_names(model: nn.Module, name_or_path, kwargs: dict,
-                               converted: set[str] | None = None) -> None:
-    """Refuse a local folder whose safetensors weights lack a tensor of `model` or hold one it has no place for.
-
-    Tied parameters (the shared embedding, §3.4) are stored once, so a group of names that share one tensor needs any
-    one of its names in the file. Folders on the Hub, explicit `state_dict`s and key mappings are left to transformers.
+    Raises:
+        ValueError: naming the first such label.
     """
-    import json
-    import os
+    if labels.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    bad = labels.ne(-100) & (labels.lt(0) | labels.ge(vocab_size))
+    if bool(bad.any()):
+        raise ValueError(f"labels hold token id {int(labels[bad][0])}, outside this model's target vocabulary of "
+                         f"{vocab_size} entries (-100 marks positions without loss). The tokenizer does not match the "
+                         "model: use the tokenizer saved with it.")
 
-    if not isinstance(name_or_path, (str, os.PathLike)) or not os.path.isdir(name_or_path):
-        return
-    if any(kwargs.get(key) is not None for key in ("state_dict", "key_mapping", "gguf_file")):
-        return
-    if kwargs.get("use_safetensors") is False:
-        return
-    folder = os.path.join(name_or_path, kwargs.get("subfolder") or "")
-    single, index = os.path.join(folder, "model.safetensors"), os.path.join(folder, "model.safetensors.index.json")
-    if converted is not None:  # a checkpoint with fused projections, its names already converted
-        where, saved = single, set(converted)
-    elif os.path.isfile(single):
-        import struct
 
-        where = single
-        try:  # the header: an 8-byte little-endian length, then JSON naming every tensor
-            with open(single, "rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                saved = set(json.loads(handle.read(length))) - {"__metadata__"}
-        except (OSError, ValueError, struct.error) as error:
-            raise OSError(f"{single}: unreadable header ({error}); copy the weights again.") from None
-    elif os.path.isfile(index):
-        where = index
-        try:
-            with open(index, encoding="utf-8") as handle:
-                saved = set(json.load(handle)["weight_map"])
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise ValueError(f"{index}: unreadable ({error}); copy the weights again.") from None
-    else:
+def check_input_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
+    """Raise a clear error for token ids outside the embedding table (a tokenizer/model vocabulary mismatch); the
+    stacks call it on entry. On a GPU it is an asynchronous device assertion (no host sync); a compiled or exported
+    forward skips it (check the ids before the call there: `check_input_ids(ids, model.config.vocab_size)`).
+
+    Raises:
+        ValueError: an id is negative or not less than `vocab_size` (CPU tensors).
+    """
+    if torch.compiler.is_compiling() or not ids.numel():
         return
-    state = model.state_dict()
-    prefix = f"{model.base_model_prefix}."
-    has_base = hasattr(model, model.base_model_prefix)
-    if not has_base and saved and all(name.startswith(prefix) for name in saved):
-        saved = {name[len(prefix):] for name in saved}  # a base model loaded from a folder with the LM head
-    elif has_base and saved and not any(name.startswith(prefix) for name in saved):
-        saved = {prefix + name for name in saved}  # the LM model loaded from a base model's folder
-    groups: dict[tuple, list[str]] = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.device.type)
-        groups.setdefault(key if tensor.device.type != "meta" else (name,), []).append(name)
-    missing = sorted(names[0] for names in groups.values() if not saved.intersection(names))
-    unexpected = sorted(saved - set(state))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} weight(s) of the model ({', '.join(missing[:5])}"
-                         f"{', ...' if len(missing) > 5 else ''})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected weight(s) ({', '.join(unexpected[:5])}"
-                         f"{', ...' if len(unexpected) > 5 else ''})")
+    if ids.device.type != "cpu":
+        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(),
+                            f"{name} holds a token id outside this model's vocabulary of {vocab_size} entries")
+        return
+    high, low = int(ids.max()), int(ids.min())
+    if high >= vocab_size or low < 0:
         raise ValueError(
-            f"{where}: {' and '.join(parts)}. The weights do not belong to this config.json (another model size, "
-            "an edited or damaged file); missing weights are not initialized at random. Copy the folder again, or "
-            "load it with the config it was saved with.")
+            f"{name} holds token id {high if high >= vocab_size else low}, outside this model's vocabulary of "
+            f"{vocab_size} entries. The tokenizer does not match the model: load the tokenizer saved with the model, "
+            "or resize the embeddings with model.resize_token_embeddings(len(tokenizer))."
+        )
 
 
-def _positional_encoding(config: VaswaniConfig) -> nn.Module:
-    if config.position_embedding_type == "learned":
-        return VaswaniLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
-    return VaswaniSinusoidalPositionalEncoding(config.max_position_embeddings, config.d_model)
-
-
-def _padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, query_length: int) -> torch.Tensor | None:
-    """`(B, L)` 1/0 mask -> additive `(B, 1, query_length, L)` mask (0 keep, dtype-min drop); `None` if no mask.
-
-    Built whenever a mask is given, even one that keeps every position: deciding that would read the mask's values
-    (a host sync, and a branch a traced or exported graph would freeze)."""
-    if attention_mask is None:
-        return None
-    blocked = attention_mask[:, None, None, :].eq(0).expand(-1, 1, query_length, -1)
-    return torch.zeros(blocked.shape, dtype=dtype, device=attention_mask.device).masked_fill(
-        blocked, torch.finfo(dtype).min)
-
-
-def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, past, key_length: int,
-                 dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """Additive `(B, 1, T, K)` mask hiding future positions (§3.2.3) and padded keys.
-
-    `past` is the number of cached positions (an int, or a 0-dim tensor for transformers' static cache), `key_length`
-    K the number of keys attention sees: `past + T`, or the static cache's full length, whose unwritten slots lie in
-    the future of every query. `attention_mask` is `(B, T)`, `(B, P + T)` or `(B, K)` (1 keep, 0 pad), or a ready
-    `(B, 1, T, K)` mask, boolean (True attends) or additive, as `generate()` builds for a static cache. `None` when one
-    new position attends to all keys, all of them real (incremental decoding with a dynamic cache needs no mask).
-    """
-    if attention_mask is not None and attention_mask.dim() == 4:
-        if attention_mask.dtype == torch.bool:
-            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill(
-                ~attention_mask, torch.finfo(dtype).min)
-        return attention_mask.to(dtype)
-    if length == 1 and attention_mask is None and isinstance(past, int) and key_length == past + length:
-        return None
-    query_pos = torch.arange(length, device=device) + past  # (T,)
-    key_pos = torch.arange(key_length, device=device)  # (K,)
-    blocked = (key_pos[None, :] > query_pos[:, None])[None, None]  # (1, 1, T, K)
-    if attention_mask is not None:
-        if attention_mask.shape[1] < key_length:  # a static cache's future slots: hidden by causality already
-            attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[1]), value=1)
-        blocked = blocked | attention_mask[:, None, None, -key_length:].eq(0)
-    blocked = blocked.expand(batch, 1, length, key_length)
-    return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)
-
-
-# §3.1 The encoder and decoder stacks ---------------------------------------------------------------------------------
+# §3.1 The encoder and decoder stacks ----------------------------------------------------------------------------------
 
 
 class VaswaniEncoder(nn.Module):
     """The encoder (§3.1): embed x sqrt(d_model) + positional encoding, dropout, then N layers."""
 
-    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding):
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding, layers: list[nn.Module] | None = None):
         super().__init__()
         self.config = config
         self.dropout = config.dropout
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.embed_tokens = embed_tokens
         self.embed_positions = _positional_encoding(config)
-        self.layers = nn.ModuleList([VaswaniEncoderLayer(config) for _ in range(config.encoder_layers)])
-        self.layer_norm = (nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-                           if config.normalize_before else None)
+        if layers is None:
+            layers = [VaswaniEncoderLayer(config) for _ in range(config.encoder_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
 
     def forward(
         self,
@@ -807,7 +581,6 @@ class VaswaniEncoder(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
-        return_dict: bool = True,
         **kwargs,
     ) -> BaseModelOutput:
         """
@@ -846,27 +619,17 @@ class VaswaniEncoder(nn.Module):
             hidden_states = tokens.pad(hidden_states)  # (B, S, D)
         if output_hidden_states:
             all_hidden.append(hidden_states)
-        return BaseModelOutput(
-            last_hidden_state=hidden_states,
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            attentions=tuple(all_attn) if output_attentions else None,
-        )
+        return BaseModelOutput(last_hidden_state=hidden_states,
+                               hidden_states=tuple(all_hidden) if output_hidden_states else None,
+                               attentions=tuple(all_attn) if output_attentions else None)
 
 
-class VaswaniDecoder(nn.Module):
+class VaswaniDecoder(VaswaniEncoder):
     """The decoder (§3.1): embed x sqrt(d_model) + positional encoding, dropout, then N layers that attend to
     earlier target positions only and to the encoder output."""
 
     def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding):
-        super().__init__()
-        self.config = config
-        self.dropout = config.dropout
-        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
-        self.embed_tokens = embed_tokens
-        self.embed_positions = _positional_encoding(config)
-        self.layers = nn.ModuleList([VaswaniDecoderLayer(config, i) for i in range(config.decoder_layers)])
-        self.layer_norm = (nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-                           if config.normalize_before else None)
+        super().__init__(config, embed_tokens, [VaswaniDecoderLayer(config, i) for i in range(config.decoder_layers)])
 
     def forward(
         self,
@@ -954,49 +717,6 @@ class VaswaniDecoder(nn.Module):
         }
 
 
-def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
-    """Raise a clear error for labels outside [0, vocab_size) other than -100 (no loss there).
-
-    Checked where it costs no device sync and no graph break (CPU tensors, eager); on a GPU an id outside the
-    vocabulary stops the loss kernel with a device-side assert, never a silent result.
-
-    Raises:
-        ValueError: naming the first such label.
-    """
-    if labels.device.type != "cpu" or torch.compiler.is_compiling():
-        return
-    bad = labels.ne(-100) & (labels.lt(0) | labels.ge(vocab_size))
-    if bool(bad.any()):
-        raise ValueError(f"labels hold token id {int(labels[bad][0])}, outside this model's target vocabulary of "
-                         f"{vocab_size} entries (-100 marks positions without loss). The tokenizer does not match the "
-                         "model: use the tokenizer saved with it.")
-
-
-def check_input_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
-    """Raise a clear error for token ids outside the embedding table (a tokenizer/model vocabulary mismatch).
-
-    The encoder and decoder call it on entry in eager mode. Reading the ids' range is a host sync, so on a GPU it
-    becomes an asynchronous device assertion, and a compiled or exported forward skips it (there, check the ids
-    before the call: `check_input_ids(batch["input_ids"], model.config.vocab_size)`).
-
-    Raises:
-        ValueError: an id is negative or not less than `vocab_size` (CPU tensors).
-    """
-    if torch.compiler.is_compiling() or not ids.numel():
-        return
-    if ids.device.type != "cpu":
-        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(),
-                            f"{name} holds a token id outside this model's vocabulary of {vocab_size} entries")
-        return
-    high, low = int(ids.max()), int(ids.min())
-    if high >= vocab_size or low < 0:
-        raise ValueError(
-            f"{name} holds token id {high if high >= vocab_size else low}, outside "
-            f"this model's vocabulary of {vocab_size} entries. The tokenizer does not match the model: load the "
-            "tokenizer saved with the model, or resize the embeddings with model.resize_token_embeddings(len(tokenizer))."
-        )
-
-
 # §3.4 Embeddings shared three ways, and the model ---------------------------------------------------------------------
 
 
@@ -1012,10 +732,8 @@ class VaswaniModel(VaswaniPreTrainedModel):
         if config.share_encoder_decoder_embeddings:
             self.shared = nn.Embedding(config.vocab_size, config.d_model, config.pad_token_id)
             encoder_embed = decoder_embed = self.shared
-            self._tied_weights_keys = {
-                "encoder.embed_tokens.weight": "shared.weight",
-                "decoder.embed_tokens.weight": "shared.weight",
-            }
+            self._tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight",
+                                       "decoder.embed_tokens.weight": "shared.weight"}
         else:
             encoder_embed = nn.Embedding(config.vocab_size, config.d_model, config.pad_token_id)
             decoder_embed = nn.Embedding(config.decoder_vocab_size, config.d_model, config.pad_token_id)
@@ -1031,12 +749,6 @@ class VaswaniModel(VaswaniPreTrainedModel):
             self.shared = value
             self.decoder.embed_tokens = value
         self.encoder.embed_tokens = value
-
-    def get_encoder(self, *args, **kwargs) -> VaswaniEncoder:
-        return self.encoder
-
-    def get_decoder(self, *args, **kwargs) -> VaswaniDecoder:
-        return self.decoder
 
     def forward(
         self,
@@ -1085,17 +797,10 @@ class VaswaniModel(VaswaniPreTrainedModel):
                 "VaswaniForConditionalGeneration, which shifts them right to make the decoder input."
             )
         decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids,
-            attention_mask=decoder_attention_mask,
-            encoder_hidden_states=encoder_outputs.last_hidden_state,
-            encoder_attention_mask=attention_mask,
-            cache=past_key_values,
-            inputs_embeds=decoder_inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            labels=labels,
-        )
+            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
+            cache=past_key_values, inputs_embeds=decoder_inputs_embeds, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, labels=labels)
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs["last_hidden_state"],
             **{CACHE_NAME: decoder_outputs["past_key_values"]},
@@ -1109,16 +814,13 @@ class VaswaniModel(VaswaniPreTrainedModel):
         return output if return_dict is not False else output.to_tuple()
 
 
-class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
+class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationMixin):
     """The whole Transformer: `VaswaniModel` plus the pre-softmax linear projection `lm_head` (§3.4), which shares
     its weight with the embeddings (`tie_word_embeddings`), and the loss (label-smoothed on request, §5.4).
 
-    Its `generation_config` defaults to the paper's decoding (§6.1): beam 4, length penalty 0.6.
+    Its `generation_config` defaults to the paper's decoding (§6.1): beam 4, length penalty 0.6; `generate()` and its
+    hooks come from `VaswaniGenerationMixin` (generation_vaswani.py).
     """
-
-    use_cpu_packed_linears: bool = True  # see cpu_packed_linears()
-    keep_packed_cpu_linears: bool = True  # see cpu_packed_linears()
-    skip_finished_sentences: bool | None = None  # see _beam_search(): None = on a CPU only
 
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
@@ -1133,208 +835,6 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
                                                 "model.decoder.embed_tokens.weight": source})
         self.post_init()
         self.generation_config = self.paper_generation_config(config)
-
-    @staticmethod
-    def paper_generation_config(config: VaswaniConfig) -> GenerationConfig:
-        """Beam 4, length penalty 0.6 (§6.1), starting from `decoder_start_token_id` and ending at `</s>`."""
-        return GenerationConfig(
-            num_beams=4,
-            length_penalty=0.6,
-            early_stopping=True,
-            max_length=256,
-            bos_token_id=config.bos_token_id,
-            eos_token_id=config.eos_token_id,
-            pad_token_id=config.pad_token_id,
-            decoder_start_token_id=config.decoder_start_token_id,
-        )
-
-    def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, then positions after each sequence's first `</s>` set to `pad_token_id`.
-
-        transformers' beam search fills finished hypotheses with `pad_token_id or eos_token_id`, which picks
-        `</s>` when the pad id is 0, as here (huggingface/transformers PR #47286): a beam-search row ended
-        `[1, 2, 2, 2, ...]` where greedy search ends `[1, 2, 0, 0, ...]`. This makes every decoding method pad
-        with `<pad>`. Returns what `generate` returns (a `(B * num_return_sequences, L)` tensor or a
-        `GenerateOutput` whose `sequences` are fixed the same way).
-
-        Raises:
-            ValueError: `num_beams` or `num_return_sequences` is not an integer >= 1 (transformers would fail with a
-                ZeroDivisionError or a negative tensor dimension).
-        """
-        inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-        if torch.is_tensor(inputs) and (inputs.ndim != 2 or 0 in inputs.shape):
-            raise ValueError(f"generate(): input_ids must be a (batch, length) tensor with at least one sentence of at "
-                             f"least one token (the tokenizer ends each with </s>), got shape {tuple(inputs.shape)}.")
-        config = kwargs.get("generation_config") or self.generation_config
-        for name in ("num_beams", "num_return_sequences"):
-            value = kwargs.get(name, getattr(config, name, None))
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"generate(): {name} must be an integer >= 1, got {value!r}.")
-        with self.cpu_packed_linears(), self._length_limit_for(kwargs):
-            outputs = super().generate(*args, **kwargs)
-        sequences = outputs if torch.is_tensor(outputs) else getattr(outputs, "sequences", None)
-        generation_config = kwargs.get("generation_config") or self.generation_config
-        eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
-        pad = kwargs.get("pad_token_id", generation_config.pad_token_id)
-        if sequences is None or sequences.ndim != 2 or eos is None or pad is None:
-            return outputs
-        eos = torch.as_tensor(eos, device=sequences.device).flatten()
-        # Column 0 is the decoder start token; `after` is True strictly after the first generated </s>.
-        is_eos = torch.isin(sequences[:, 1:], eos)
-        after = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
-        sequences[:, 1:].masked_fill_(after, int(pad))
-        return outputs
-
-    @contextlib.contextmanager
-    def _length_limit_for(self, kwargs: dict):
-        """Inside it, a `generate(**kwargs)` call that sets `max_new_tokens` and no `max_length` sees no
-        `max_length`: the default one of the generation config (256) only bounds calls that give no length, and
-        transformers would otherwise warn on every call that both are set (`max_new_tokens` wins either way)."""
-        given = kwargs.get("generation_config")
-        config = given or self.generation_config
-        if (kwargs.get("max_new_tokens", config.max_new_tokens) is None or kwargs.get("max_length") is not None
-                or self.generation_config.max_length is None):
-            yield
-            return
-        original = self.generation_config
-        self.generation_config = copy.deepcopy(original)
-        self.generation_config.max_length = None
-        if given is not None:
-            kwargs["generation_config"] = copy.deepcopy(given)
-            kwargs["generation_config"].max_length = None
-        try:
-            yield
-        finally:
-            self.generation_config = original
-
-    @contextlib.contextmanager
-    def cpu_packed_linears(self):
-        """Context manager: the model's linear layers multiply with oneDNN and prepacked weights inside it (see
-        `VaswaniLinear`), if the model is an fp32 model on a CPU, torch has oneDNN, autocast is off and
-        `use_cpu_packed_linears` is True (the class attribute; set it to False to turn the path off). `generate()`
-        runs inside it. Packing copies every linear weight once (about 70 ms and as much memory again as the linear
-        weights, base size). The packed copies are kept for the next use while every weight is unchanged (the same
-        tensor, storage and version counter: an optimizer step, `load_state_dict` or any in-place change makes them
-        be packed again), so repeated `generate()` calls pack once; `keep_packed_cpu_linears = False` (the class
-        attribute) drops them on exit instead. Nested uses keep the outer packing. Yields whether the weights are
-        packed.
-
-        The input projections that read one input are also stacked into one packed matrix per attention
-        (`VaswaniAttention.fused_inputs`: q|k|v, or k|v in encoder-decoder attention), when they are plain
-        projections (not wrapped, e.g. by a PEFT adapter, which then keeps its own forward)."""
-        with packed_cpu_linears(self, VaswaniAttention, VaswaniInputProjection) as packed:
-            yield packed
-
-    def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False,
-                                      input_ids: torch.LongTensor | None = None, **model_kwargs):
-        """`generate()`'s hook that repeats every input `expand_size` times (once per beam or returned sample).
-
-        The decoder input is repeated, but the encoder output and its padding mask keep one row per sentence:
-        encoder-decoder attention groups the hypotheses of a sentence (`VaswaniAttention._grouped`), so its keys and
-        values are projected, cached and read once per sentence rather than once per beam.
-        """
-        encoder_outputs = model_kwargs.get("encoder_outputs")
-        encoder_states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
-        encoder_mask = model_kwargs.get("attention_mask")
-        input_ids, model_kwargs = super()._expand_inputs_for_generation(
-            expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, input_ids=input_ids, **model_kwargs)
-        if expand_size > 1 and is_encoder_decoder and torch.is_tensor(encoder_states):
-            model_kwargs["encoder_outputs"]["last_hidden_state"] = encoder_states
-            if encoder_mask is not None:
-                model_kwargs["attention_mask"] = encoder_mask
-        return input_ids, model_kwargs
-
-    def _prepare_cache_for_generation(self, generation_config: GenerationConfig, model_kwargs: dict, *args,
-                                      **kwargs):
-        """`generate()`'s hook that creates the cache: transformers' default (`cache_implementation` unset or
-        "dynamic") gets a `VaswaniSelfAttentionCache` sized for the call's maximum length as its self-attention half,
-        so that no step copies the cached positions except a beam reorder. A cache the caller passed, or another
-        `cache_implementation`, is left as transformers made it."""
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get(CACHE_NAME)
-        if (isinstance(cache, EncoderDecoderCache) and not getattr(cache, "_is_user_defined", False)
-                and type(cache.self_attention_cache) is DynamicCache and cache.get_seq_length() == 0
-                and generation_config.cache_implementation in (None, "dynamic")):
-            capacity = kwargs.get("max_cache_length", args[-1] if args else 0)
-            model_kwargs[CACHE_NAME] = EncoderDecoderCache(
-                VaswaniSelfAttentionCache(capacity if isinstance(capacity, int) else 0), cache.cross_attention_cache)
-
-    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                     **model_kwargs):
-        """transformers' beam search. Where only the sequences are returned (no `return_dict_in_generate`, so no
-        scores, attentions or cache either) and beams are not sampled, the decoding steps leave the sentences that beam
-        search has finished out of the batch (`FinishedSentenceSkipping`): the same sequences, computed for the open
-        sentences only. `skip_finished_sentences` (the class attribute) chooses: None (the default) on a CPU only,
-        True everywhere, False nowhere. On a CPU the steps cost in proportion to the rows they compute; on a GPU they
-        cost kernel launches, whatever the rows, and the skipping's bookkeeping makes the host wait for the device
-        once more a step: beam 4 at base size on an H100 took 5 % longer with it at 4 sentences and 1.4 % at 64
-        (benchmarks/bench_generation_paths.py)."""
-        cache = model_kwargs.get(CACHE_NAME)
-        encoder_outputs = model_kwargs.get("encoder_outputs")
-        states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
-        beams = generation_config.num_beams or 1
-        skip = self.skip_finished_sentences
-        if skip is None:
-            skip = input_ids.device.type == "cpu"
-        eligible = (skip and not synced_gpus and not generation_config.do_sample
-                    and not any(getattr(generation_config, name, False) for name in
-                                ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
-                                 "output_hidden_states"))
-                    and isinstance(cache, EncoderDecoderCache)
-                    and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
-                    and torch.is_tensor(states) and states.shape[0] > 1 and beams > 1
-                    and input_ids.shape[0] == states.shape[0] * beams)
-        self.__dict__["_finished_sentences"] = (
-            FinishedSentenceSkipping(states.shape[0], beams, input_ids.device) if eligible else None)
-        try:
-            return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
-                                        synced_gpus, **model_kwargs)
-        finally:
-            self.__dict__.pop("_finished_sentences", None)
-
-    def _update_finished_beams(self, *args, **kwargs):
-        """transformers' update of the finished hypotheses, noting which sentences are done."""
-        results = super()._update_finished_beams(*args, **kwargs)
-        skipping = self.__dict__.get("_finished_sentences")
-        if skipping is not None:
-            skipping.note_finished(results[3], kwargs.get("early_stopping"),
-                                   ~kwargs["is_early_stop_heuristic_unsatisfied"])
-        return results
-
-    def _reorder_cache(self, past_key_values: Cache, beam_idx: torch.LongTensor) -> Cache:
-        """Beam search's hook to follow the surviving beams (`generate()` calls it after every step).
-
-        Only the self-attention cache moves. Beams never leave their sentence, and the encoder-decoder attention cache
-        holds one row per sentence (see `_expand_inputs_for_generation`), the same for all its beams: the default
-        would gather it too, failing on its rows, or, with one row per beam, copying
-        `decoder_layers x 2 x (B * beams, H, S, Dh)` floats per step for nothing.
-        """
-        skipping = self.__dict__.get("_finished_sentences")
-        if skipping is not None and skipping.reorder(past_key_values, beam_idx):
-            return past_key_values
-        if isinstance(past_key_values, EncoderDecoderCache):
-            past_key_values.self_attention_cache.reorder_cache(beam_idx)
-        else:
-            past_key_values.reorder_cache(beam_idx)
-        return past_key_values
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.get_input_embeddings()
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.set_input_embeddings(value)
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
-
-    def get_encoder(self, *args, **kwargs) -> VaswaniEncoder:
-        return self.model.encoder
-
-    def get_decoder(self, *args, **kwargs) -> VaswaniDecoder:
-        return self.model.decoder
 
     def forward(
         self,
@@ -1364,8 +864,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
             decoder_input_ids: `(B, T)`; made from `labels` (shifted right) when not given.
             labels: `(B, T)` target ids ending in `</s>`, `-100` where no loss is wanted.
             num_items_in_batch: the number of labelled tokens in the whole (accumulated, all-device) batch, as
-                Trainer passes it; the loss is then a sum divided by this count, which keeps gradient
-                accumulation exact.
+                Trainer passes it; the loss is then a sum divided by it, which keeps gradient accumulation exact.
             logits_to_keep: without `labels`, project only the last `logits_to_keep` target positions (an int; 0, the
                 default, keeps all) or the positions in a 1-D index tensor to the vocabulary. `generate()` passes 1,
                 which matters when the decoder starts from a forced prefix of several tokens. Ignored with `labels`.
@@ -1373,53 +872,34 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
                 cross-entropy, as every transformers model returns. The training recipe passes
                 `config.label_smoothing` (0.1, §5.4) in training steps only, so evaluation losses stay unsmoothed.
             skip_logits: whether the output leaves the logits out (`logits=None`), as Liger kernels' models and
-                transformers' Trainer name it. `None` (default): left out where the loss is computed fused with the
-                output projection, which never forms the logits: fp32 training steps with `labels` on a CPU in eager
-                mode (`kernels_vaswani.cpu_projected_cross_entropy`; Trainer reads only the loss there). `False`:
-                always returned (those steps then take the unfused path); `True`: never returned.
+                Trainer name it. `None` (default): left out where the loss is fused with the output projection, which
+                never forms them: fp32 CPU training steps with `labels` in eager mode (`cpu_projected_cross_entropy`).
+                `False`: always returned (those steps then take the unfused path); `True`: never returned.
         Returns:
             `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions; `None` per `skip_logits`) and, with
-            `labels`, `loss`: the mean over labelled tokens of the cross-entropy (label-smoothed by `label_smoothing`
-            when given: epsilon spread uniformly over the vocabulary, torch's definition). A CPU training step with
-            `labels` computes only the positions it needs (`RealTokens`): logits are then 0 where the label is -100.
-            The cache, passed as `cache=` (transformers >= 5.24) or `past_key_values=`, is returned under the
-            installed version's name.
+            `labels`, `loss`: the mean cross-entropy over labelled tokens (label-smoothed as torch defines it when
+            asked). A CPU training step computes only the positions it needs (`RealTokens`): logits are 0 where the
+            label is -100. The cache (`cache=` or `past_key_values=`) comes back under the installed version's name.
         Raises:
             ValueError: both `cache` and `past_key_values` given; `labels` outside the vocabulary.
         """
         past_key_values = _one_cache(past_key_values, cache)
+        label_smoothing = label_smoothing or 0.0
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id,
                                                        self.config.decoder_start_token_id)
-        skipping = self.__dict__.get("_finished_sentences")
-        first_step = False
-        if (skipping is None or labels is not None or decoder_input_ids is None or decoder_attention_mask is not None
-                or decoder_input_ids.shape[0] != skipping.batch * skipping.beams):
-            skipping = None  # only beam search's decoding steps run on fewer rows (see `_beam_search`)
-        elif skipping.rows is not None:
-            decoder_input_ids, attention_mask, encoder_outputs = skipping.compact_inputs(
-                decoder_input_ids, attention_mask, encoder_outputs)
-        elif skipping.first_step_rows(decoder_input_ids, past_key_values):
-            first_step = True
-            decoder_input_ids = decoder_input_ids[:: skipping.beams]
-        else:
-            skipping = None
+        # inside beam search, a decoding step computes the rows of open sentences only (generation_vaswani.py)
+        skipping = self._finished_sentences_step(decoder_input_ids, decoder_attention_mask, labels)
+        if skipping is not None:
+            decoder_input_ids, attention_mask, encoder_outputs = skipping.begin_step(
+                decoder_input_ids, attention_mask, encoder_outputs, past_key_values)
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            decoder_input_ids=decoder_input_ids,
-            decoder_attention_mask=decoder_attention_mask,
-            encoder_outputs=encoder_outputs,
-            cache=past_key_values,
-            inputs_embeds=inputs_embeds,
-            decoder_inputs_embeds=decoder_inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            labels=labels,
-        )
+            input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask, encoder_outputs=encoder_outputs, cache=past_key_values,
+            inputs_embeds=inputs_embeds, decoder_inputs_embeds=decoder_inputs_embeds, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, labels=labels)
         hidden_states = outputs.last_hidden_state
         if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -1438,21 +918,18 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, GenerationMixin):
                     and not head._forward_hooks and not head._forward_pre_hooks):
                 check_labels(targets, head.out_features)
                 loss = cpu_projected_cross_entropy(
-                    hidden_states, head.weight, targets, label_smoothing or 0.0,
+                    hidden_states, head.weight, targets, label_smoothing,
                     targets.numel() if num_items_in_batch is None else num_items_in_batch)
             if loss is None:
                 logits = self.lm_head(hidden_states)  # (N, V)
-                loss = self.loss(logits[None], targets[None], num_items_in_batch,
-                                 label_smoothing=label_smoothing or 0.0)
+                loss = self.loss(logits[None], targets[None], num_items_in_batch, label_smoothing=label_smoothing)
                 logits = labelled.pad(logits) if not skip_logits else None  # (B, T, V)
         else:
             logits = self.lm_head(hidden_states)  # (B, T, V)
-        if first_step:
-            logits = skipping.expand_first_step(past_key_values, logits)
-        elif skipping is not None:
-            logits = skipping.expand_logits(logits)
+        if skipping is not None:
+            logits = skipping.end_step(past_key_values, logits)
         if labels is not None and labelled is None:
-            loss = self.loss(logits, labels, num_items_in_batch, label_smoothing=label_smoothing or 0.0)
+            loss = self.loss(logits, labels, num_items_in_batch, label_smoothing=label_smoothing)
         if skip_logits:
             logits = None
         output = Seq2SeqLMOutput(
