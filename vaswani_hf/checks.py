@@ -1,20 +1,22 @@
-"""Checks that every command runs before any long work: nothing it writes may destroy what it reads, every output can
-be written, a training folder has one run at a time, and a model folder is whole and self-consistent.
+"""The one validation module: the checks every command runs before any long work (nothing it writes may destroy what
+it reads, every output can be written, a training folder has one run at a time, a model folder is whole and
+self-consistent) and `CheckError`, the one error type of bad input in the library and the commands.
 
-Each check raises `CheckError` (a `ValueError`) whose message names the path at fault, what is wrong and what to do.
+`CheckError` is a `ValueError`, as transformers raises for bad input; its message names the path or flag at fault,
+what is wrong and what to do. `vaswani_hf.data.DataError` is the same class under the name data code reads best with.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 __all__ = ["CheckError", "RunLock", "check_model_folder", "check_output_dir", "check_output_file",
-           "check_output_not_in_inputs", "read_json", "safetensors_problem"]
+           "check_output_not_in_inputs", "check_tokenizer_matches", "read_json", "safetensors_problem",
+           "weights_problems"]
 
 LOCK_NAME = ".vaswani.lock"
 
@@ -77,9 +79,10 @@ def check_output_not_in_inputs(output: str | os.PathLike, inputs: Iterable[str |
             why = "lies inside"
         else:
             continue
-        raise CheckError(f"{output_flag} {output} {why} {input_flag} {source}: writing it would replace or mix with the "
-                         f"input (its weights, checkpoints, metrics and translations). Choose an output folder outside "
-                         f"{source}, e.g. {Path(source).resolve().parent / (Path(source).resolve().name + '-export')}.")
+        example = Path(source).resolve().parent / (Path(source).resolve().name + "-export")
+        raise CheckError(f"{output_flag} {output} {why} {input_flag} {source}: writing it would replace or mix with "
+                         f"the input (its weights, checkpoints, metrics and translations). Choose an output folder "
+                         f"outside {source}, e.g. {example}.")
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -175,42 +178,28 @@ class RunLock:
         self.release()
 
 
-def safetensors_problem(path: Path) -> str | None:
+def safetensors_problem(path: str | os.PathLike) -> str | None:
     """Why `path` is not a complete safetensors file (missing, truncated, bad header), or None if it is complete.
 
-    Reads only the header: an 8-byte little-endian length, a JSON header of that length mapping each tensor name to
-    `{"dtype", "shape", "data_offsets": [begin, end]}`, then the tensor bytes; the file must end where the last tensor
-    ends. A header of any other shape is reported, never a crash.
+    `safetensors.safe_open` reads the header and checks that it describes exactly the bytes in the file; its error is
+    turned into a message that names the file. Tensor data is not read (safetensors has no checksum).
     """
+    from safetensors import SafetensorError, safe_open
+
     path = Path(path)
     if not path.is_file():
         return f"{path.name} is missing"
-    size = path.stat().st_size
-    if size < 8:
-        return f"{path.name} is truncated ({size} bytes)"
-    unreadable = f"{path.name} has an unreadable header (not a safetensors file, or corrupted)"
     try:
-        with open(path, "rb") as handle:
-            (header_length,) = struct.unpack("<Q", handle.read(8))
-            if header_length > size - 8:
-                return f"{path.name} is truncated (header of {header_length} bytes, file of {size})"
-            header = json.loads(handle.read(header_length))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, struct.error):
-        return unreadable
-    if not isinstance(header, dict):
-        return unreadable
-    end = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool)
-                                                                          and o >= 0 for o in offsets)
-                or offsets[0] > offsets[1]):
-            return f"{unreadable}: tensor {key!r} has no valid data_offsets"
-        end = max(end, offsets[1])
-    if size != 8 + header_length + end:
-        return f"{path.name} is truncated or padded ({size} bytes, its header describes {8 + header_length + end})"
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as error:
+        detail = str(error).removeprefix("Error while deserializing header: ")
+        # safetensors' words for a file shorter (or longer) than its header says
+        if any(words in detail for words in ("header too small", "invalid header length", "not fully covered")):
+            return f"{path.name} is truncated or damaged ({path.stat().st_size} bytes; {detail})"
+        return f"{path.name} has an unreadable header (not a safetensors file, or corrupted: {detail})"
+    except OSError as error:
+        return f"{path.name} cannot be read ({error.strerror or error})"
     return None
 
 

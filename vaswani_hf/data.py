@@ -13,8 +13,8 @@ sequence length. Each training batch contained a set of sentence pairs containin
 tokens and 25000 target tokens") in the form fairseq implements it (``--max-tokens``): see
 :class:`TokenBudgetBatchSampler`.
 
-Bad input raises :class:`DataError` (a ``ValueError``) whose message names the file, line or field and says
-how to fix it.
+Bad input raises :class:`DataError` (``vaswani_hf.checks.CheckError``, a ``ValueError``) whose message names the
+file, line or field and says how to fix it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 from torch.utils.data import Sampler
+
+from .checks import CheckError
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,8 @@ __all__ = [
 ]
 
 
-class DataError(ValueError):
-    """Bad or missing training/evaluation data. The message names the file/line/field and the fix."""
+# Bad or missing training/evaluation data: the one error type of `vaswani_hf.checks`, under the name data code reads.
+DataError = CheckError
 
 
 # --------------------------------------------------------------------------------------------------------------
