@@ -8,9 +8,18 @@ import pytest
 import torch
 from conftest import make_tiny_config, make_tiny_model, padded_batch
 from safetensors import safe_open
-from transformers import AttentionInterface, AutoModel, AutoModelForSeq2SeqLM, Trainer, TrainingArguments
+from transformers import (
+    AttentionInterface,
+    AutoModel,
+    AutoModelForSeq2SeqLM,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    Trainer,
+    TrainingArguments,
+)
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import find_labels
 
 import vaswani_hf.modeling_vaswani as modeling
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
@@ -341,6 +350,40 @@ def test_trainer_label_smoothing_factor_matches_the_models_own_loss(tmp_path):
     # and the model's plain loss differs from it
     plain = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     assert abs(plain.item() - own.item()) > 1e-3
+
+
+@pytest.mark.parametrize("trainer_kind", ["trainer", "seq2seq", "seq2seq_generate"])
+def test_trainer_takes_only_labels_for_labels_and_evaluates_with_eval_loss_and_label_ids(tmp_path, trainer_kind):
+    """`Trainer` takes every `forward` parameter named like "label" for a label (`find_labels`); label smoothing is a
+    keyword of `**kwargs`, so a plain `Trainer`'s or `Seq2SeqTrainer`'s `evaluate()` returns the unsmoothed
+    `eval_loss` and `predict()` the `label_ids`, with or without `predict_with_generate`."""
+    assert find_labels(VaswaniForConditionalGeneration) == ["labels"]
+    model = make_tiny_model(dropout=0.0, label_smoothing=0.1)
+    ids, mask = padded_batch(batch=4, length=9)
+    labels = labels_for(*padded_batch(seed=2, batch=4, length=7))
+    examples = [dict(input_ids=ids[i], attention_mask=mask[i], labels=labels[i]) for i in range(4)]
+    options = dict(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True)
+    if trainer_kind == "trainer":
+        trainer = Trainer(model=model, args=TrainingArguments(**options), eval_dataset=examples)
+    else:
+        args = Seq2SeqTrainingArguments(**options, predict_with_generate=trainer_kind == "seq2seq_generate",
+                                        generation_max_length=6)
+        trainer = Seq2SeqTrainer(model=model, args=args, eval_dataset=examples)
+    with torch.no_grad():
+        plain = model.eval()(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+        smoothed = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1).loss.item()
+    assert abs(plain - smoothed) > 1e-3
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(plain, rel=1e-5)
+    prediction = trainer.predict(examples)
+    assert prediction.metrics["test_loss"] == pytest.approx(plain, rel=1e-5)
+    label_ids = torch.as_tensor(prediction.label_ids)  # Seq2SeqTrainer pads them to the generation length
+    assert torch.equal(label_ids[:, : labels.shape[1]], labels) and label_ids[:, labels.shape[1]:].eq(0).all()
+    predictions = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+    if trainer_kind == "seq2seq_generate":  # token ids from generate(), starting with the decoder start token
+        assert predictions.shape[0] == 4 and (predictions[:, 0] == model.config.decoder_start_token_id).all()
+    else:  # the logits
+        assert tuple(predictions.shape) == (*labels.shape, model.config.vocab_size)
 
 
 # Inputs, determinism, batching -------------------------------------------------------------------------------------

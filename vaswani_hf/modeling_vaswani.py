@@ -854,7 +854,6 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         return_dict: bool | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        label_smoothing: float | None = None,
         skip_logits: bool | None = None,
         **kwargs,
     ) -> Seq2SeqLMOutput:
@@ -868,9 +867,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             logits_to_keep: without `labels`, project only the last `logits_to_keep` target positions (an int; 0, the
                 default, keeps all) or the positions in a 1-D index tensor to the vocabulary. `generate()` passes 1,
                 which matters when the decoder starts from a forced prefix of several tokens. Ignored with `labels`.
-            label_smoothing: epsilon of label smoothing for the loss; `None` (default) and 0 give the plain
-                cross-entropy, as every transformers model returns. The training recipe passes
+            label_smoothing (keyword, in `**kwargs`): epsilon of label smoothing for the loss; `None` (default) and 0
+                give the plain cross-entropy, as every transformers model returns. The training recipe passes
                 `config.label_smoothing` (0.1, §5.4) in training steps only, so evaluation losses stay unsmoothed.
+                Not a named parameter: `Trainer` takes every `forward` parameter named like "label" for a label.
             skip_logits: whether the output leaves the logits out (`logits=None`), as Liger kernels' models and
                 Trainer name it. `None` (default): left out where the loss is fused with the output projection, which
                 never forms them: fp32 CPU training steps with `labels` in eager mode (`cpu_projected_cross_entropy`).
@@ -884,7 +884,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             ValueError: both `cache` and `past_key_values` given; `labels` outside the vocabulary.
         """
         past_key_values = _one_cache(past_key_values, cache)
-        label_smoothing = label_smoothing or 0.0
+        label_smoothing = kwargs.pop("label_smoothing", None) or 0.0
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
