@@ -407,7 +407,7 @@ def time_products(name: str, model, optimizer, batch, args) -> dict:
     return {**seconds, "product_calls": calls["products"], "attention_calls": calls["attention"]}
 
 
-# The sizes at which the CPU MFU is reported: the paper's base model and the `cpu` preset of training/common.py.
+# The sizes at which the CPU MFU is reported: the paper's base model and the `cpu` preset of training/presets.py.
 MFU_SIZES = {"base": {"d_model": 512, "layers": 6, "heads": 8, "d_ff": 2048},
              "cpu": {"d_model": 256, "layers": 3, "heads": 4, "d_ff": 1024}}
 
@@ -783,8 +783,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--no-mfu", action="store_true",
                      help="skip the GEMM-peak measurement and the training MFU at base and cpu-preset dims")
     run.add_argument("--malloc", choices=("keep", "default"), default="keep",
-                     help="keep: glibc's malloc keeps freed memory for reuse (training.common.keep_freed_memory, as "
-                          "vaswani-train does), for both models' speed measurements; default: glibc's defaults. The "
+                     help="keep: glibc's malloc keeps freed memory for reuse (training.cpu_tuning.keep_freed_memory, "
+                          "as vaswani-train does), for both models' speed measurements; default: glibc's defaults. The "
                           "memory measurements run in fresh processes with their own setting")
     run.add_argument("--compile", action="store_true",
                      help="torch.compile both models' forward for the training measurements (generate() stays eager)")
@@ -838,7 +838,7 @@ def main(argv=None) -> dict | None:
         return None
     kept = False
     if args.malloc == "keep":
-        from training.common import keep_freed_memory
+        from training.cpu_tuning import keep_freed_memory
 
         kept = keep_freed_memory()
     torch.manual_seed(args.seed)

@@ -24,7 +24,9 @@ if str(ROOT) not in sys.path:
 
 from transformers import DataCollatorForSeq2Seq  # noqa: E402
 
-from training.common import PRESETS, DataArguments, ModelArguments, build_model, prepare_data, token_budget_sampler  # noqa: E402
+from training.arguments import DataArguments, ModelArguments  # noqa: E402
+from training.prepare import build_model, prepare_data, token_budget_sampler  # noqa: E402
+from training.presets import PRESETS  # noqa: E402
 from vaswani_hf.schedule import paper_adam  # noqa: E402
 
 

@@ -57,7 +57,7 @@ def main() -> None:
     }))
 
     metrics, model = run(no_trainer_args)
-    assert metrics["num_processes"] == 2, metrics
+    assert metrics["world_size"] == 2, metrics
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"no_trainer_params_{rank}.pt")
 
 

@@ -123,7 +123,7 @@ def test_train_cli_zero_samples_is_refused_not_read_as_all(tmp_path):
     for flag in ("--max_train_samples", "--max_test_samples", "--max_tokens", "--max_source_length"):
         with pytest.raises(DataError, match=f"{flag} must be >= 1 \\(leave the flag out for the default\\), got 0"):
             train(tmp_path, "--train_file", prefix, "--test_file", prefix, flag, "0")
-    from training.common import select
+    from training.prepare import select
 
     with pytest.raises(DataError, match=r"take a number of examples >= 1 .*got 0"):  # the library function too
         select(list(range(3)), 0)
@@ -206,6 +206,15 @@ def test_learned_positions_refuse_long_input_when_translating_and_training(tmp_p
                                          r"--max_source_length 256, --max_target_length 256.*sinusoidal"):
         train(tmp_path, "--train_file", prefix, "--config_overrides",
               "position_embedding_type=learned,max_position_embeddings=16")
+    # The loop without Trainer runs the same check, with the same message.
+    from training.train_no_trainer import main as train_no_trainer
+
+    with pytest.raises(ValueError, match=r"learned positions for 16 tokens \(max_position_embeddings\), fewer than "
+                                         r"--max_source_length 256, --max_target_length 256.*sinusoidal"):
+        train_no_trainer(["--preset", "tiny", "--output_dir", str(tmp_path / "nt"), "--cache_dir",
+                          str(tmp_path / "cache"), "--max_steps", "1", "--cpu_bf16", "no", "--train_file", prefix,
+                          "--config_overrides", "position_embedding_type=learned,max_position_embeddings=16"])
+    assert not list((tmp_path / "nt").glob("*checkpoint-*"))
 
 
 # Generation arguments -----------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ bitwise identical parameters (same all-reduced gradients, same optimizer), which
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -209,14 +210,16 @@ def test_no_trainer_loop_agrees_with_trainer(single):
     saved = json.loads((out / "no_trainer" / "metrics.json").read_text())
     assert 0.0 <= saved["test_bleu"] <= 100.0 and saved["test_sentences"] == 2
     assert saved["dataset"] == "train.jsonl" and (saved["source_lang"], saved["target_lang"]) == ("de", "en")
-    assert saved["gradient_accumulation_steps"] == 2 and saved["num_processes"] == 1
+    assert saved["gradient_accumulation_steps"] == 2 and saved["world_size"] == 1
 
 
 # -- checkpoints and resume --------------------------------------------------------------------------------------------
 
 def test_no_trainer_resume_continues_exactly(data, tmp_path):
     """With dropout on, across an epoch end: stopping at update 3 (mid-epoch) and resuming to update 8 gives the
-    uninterrupted run, bit for bit (model, optimizer, schedule, RNG and the position in the batch order all restored)."""
+    uninterrupted run, bit for bit (model, optimizer, schedule, RNG and the position in the batch order all restored);
+    a newer but damaged checkpoint is skipped."""
+    from training.run_checks import checkpoint_problems, resolve_resume_checkpoint
     from training.train_no_trainer import run
 
     cache = data["root"] / "cache_resume"
@@ -236,28 +239,44 @@ def test_no_trainer_resume_continues_exactly(data, tmp_path):
             "trainer_state.json", "tokenizer.json", "modeling_vaswani.py"} <= names
     assert not list(first.glob(".tmp-*")), "no half-written checkpoint left"
     (first / ".tmp-checkpoint-9").mkdir()  # as an interrupted save leaves it: never resumed from
+    damaged = first / "checkpoint-5"  # a complete-looking folder whose optimizer state is cut short: skipped
+    shutil.copytree(checkpoint, damaged)
+    state = json.loads((damaged / "trainer_state.json").read_text())
+    (damaged / "trainer_state.json").write_text(json.dumps({**state, "global_step": 5}))
+    with open(damaged / "optimizer.bin", "r+b") as handle:
+        handle.truncate(handle.seek(0, os.SEEK_END) // 2)
+    assert checkpoint_problems(damaged, layout="accelerate") == [
+        "optimizer.bin is truncated or not a torch.save archive"]
+    assert checkpoint_problems(checkpoint, layout="accelerate") == []
+    assert resolve_resume_checkpoint("latest", first, layout="accelerate") == str(checkpoint)
     _, resumed = run(common + ["--output_dir", str(first), "--resume_from_checkpoint", "latest"])
     assert all(torch.equal(straight.state_dict()[k], resumed.state_dict()[k]) for k in straight.state_dict())
     assert no_trainer_log(first) == no_trainer_log(tmp_path / "straight")
 
 
 def test_checkpoint_and_flag_errors_are_clear(tmp_path, monkeypatch):
-    from training.common import check_distributed
-    from training.train_no_trainer import LoopArguments, check_loop_arguments, resolve_checkpoint
+    from training.run import check_distributed
+    from training.run_checks import resolve_resume_checkpoint
+    from training.train_no_trainer import LoopArguments, check_loop_arguments
+    from vaswani_hf.checks import CheckError
 
-    with pytest.raises(FileNotFoundError, match="no checkpoint-<step> folder"):
+    def resolve_checkpoint(value, output_dir):
+        return resolve_resume_checkpoint(value, output_dir, layout="accelerate")
+
+    with pytest.raises(CheckError, match="no checkpoint-<step> folder"):
         resolve_checkpoint("latest", tmp_path)
     trainer_checkpoint = tmp_path / "checkpoint-4"
     trainer_checkpoint.mkdir()
     (trainer_checkpoint / "trainer_state.json").write_text("{}")
     (trainer_checkpoint / "optimizer.pt").write_text("")
-    with pytest.raises(FileNotFoundError, match="resumes with train.py"):
+    with pytest.raises(CheckError, match=r"checkpoint-4: it is a checkpoint of train.py \(it holds optimizer.pt\): "
+                                         r"resume it with train.py"):
         resolve_checkpoint("latest", tmp_path)
-    with pytest.raises(FileNotFoundError, match="is not a checkpoint"):
+    with pytest.raises(CheckError, match="no such folder"):
         resolve_checkpoint(str(tmp_path / "nothing"), tmp_path)
-    with pytest.raises(ValueError, match="--gradient_accumulation_steps must be >= 1"):
+    with pytest.raises(CheckError, match="--gradient_accumulation_steps must be >= 1"):
         check_loop_arguments(LoopArguments(gradient_accumulation_steps=0))
-    with pytest.raises(ValueError, match="--mixed_precision must be no, fp16 or bf16"):
+    with pytest.raises(CheckError, match="--mixed_precision must be no, fp16 or bf16"):
         check_loop_arguments(LoopArguments(mixed_precision="fp8"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="ACCELERATE_USE_CPU=true"):

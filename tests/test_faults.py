@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from training.common import write_json_atomic, write_lines_atomic
+from training.atomic import write_json_atomic, write_lines_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ KILLED_WRITER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     sys.path.insert(0, sys.argv[3])
-    from training.common import write_json_atomic, write_lines_atomic
+    from training.atomic import write_lines_atomic
 
     def lines():
         for i in range(50_000):
@@ -97,11 +97,10 @@ WRITE_CALLS = {"write_text", "write_bytes", "savefig", "save_file", "dump", "wri
                "save_model", "save_state", "to_csv", "to_json", "copyfile", "copy2", "copytree"}
 # (file, enclosing function, call) -> why the write cannot leave a half-written output under its final name.
 CHECKED_WRITES = {
-    ("training/common.py", "write_json_atomic", "fdopen"): "the atomic helper: temporary file, then os.replace",
-    ("training/common.py", "write_json_atomic", "dump"): "the atomic helper",
-    ("training/common.py", "write_lines_atomic", "fdopen"): "the atomic helper",
-    ("training/common.py", "write_lines_atomic", "writelines"): "the atomic helper",
-    ("training/common.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then os.replace",
+    ("training/atomic.py", "_write_atomic", "fdopen"): "the atomic helper: temporary file, then os.replace",
+    ("training/atomic.py", "write_json_atomic.write", "dump"): "the atomic helper",
+    ("training/atomic.py", "write_lines_atomic", "writelines"): "the atomic helper",
+    ("training/prepare.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then os.replace",
     ("training/export.py", "export_for_hub", "save_pretrained"): "into a mkdtemp folder, then os.replace",
     ("training/export.py", "export_for_hub", "write_text"): "into the same mkdtemp folder",
     ("training/train_no_trainer.py", "save_checkpoint", "save_pretrained"): "into .tmp-checkpoint-<step>, renamed",
@@ -153,7 +152,7 @@ def write_sites() -> set[tuple[str, str, str]]:
 def test_every_file_write_is_atomic_or_checked():
     unchecked = sorted(write_sites() - set(CHECKED_WRITES))
     assert not unchecked, (
-        "New file writes: write outputs with training.common.write_json_atomic / write_lines_atomic (or a temporary "
+        "New file writes: write outputs with training.atomic.write_json_atomic / write_lines_atomic (or a temporary "
         "file/folder and os.replace), then add them to CHECKED_WRITES with the reason: " + repr(unchecked))
     # The commands' outputs go through the atomic helpers.
     for command in ("translate.py", "evaluate_bleu.py"):

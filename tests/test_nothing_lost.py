@@ -74,7 +74,7 @@ def test_the_dashed_max_steps_overrides_the_preset(run):
 
 
 def test_given_flags_counts_every_spelling():
-    from training.guards import given_flags
+    from training.run import given_flags
     from training.train import build_parser
 
     parser = build_parser()
@@ -86,9 +86,7 @@ def test_given_flags_counts_every_spelling():
 
 
 def test_config_overrides_are_refused_with_a_saved_model(tmp_path, model_folder, cache):
-    from training.guards import GuardError
-
-    with pytest.raises(GuardError, match="--config_overrides .* cannot apply to --model_name_or_path"):
+    with pytest.raises(CheckError, match="--config_overrides .* cannot apply to --model_name_or_path"):
         train(tmp_path / "out", cache, "--model_name_or_path", str(model_folder), "--config_overrides", "d_ff=8")
     assert not (tmp_path / "out").exists()
 
@@ -110,12 +108,12 @@ def test_gnmt_decoding_honours_max_new_tokens(model_folder, tmp_path, tiny_token
 
 
 def test_average_last_is_checked_before_training(tmp_path, cache):
-    from training.guards import GuardError, check_average_last
+    from training.run_checks import check_average_last
 
-    with pytest.raises(GuardError, match="--save_total_limit 2 deletes all but 2"):
+    with pytest.raises(CheckError, match="--save_total_limit 2 deletes all but 2"):
         train(tmp_path / "a", cache, "--max_steps", "4", "--save_steps", "1", "--average_last", "3",
               "--save_total_limit", "2")
-    with pytest.raises(GuardError, match="writes only 1 checkpoint"):
+    with pytest.raises(CheckError, match="writes only 1 checkpoint"):
         train(tmp_path / "b", cache, "--max_steps", "4", "--save_steps", "4", "--average_last", "5")
     for folder in (tmp_path / "a", tmp_path / "b"):
         assert not list(folder.glob("checkpoint-*")), "refused before any training"
@@ -134,14 +132,12 @@ def test_averaging_uses_only_this_runs_checkpoints(run):
 
 
 def test_another_runs_folder_is_refused_unless_overwritten(run, tmp_path, cache):
-    from training.guards import GuardError
-
     earlier, _ = run
     folder = tmp_path / "shared"
     for step in (100, 200):  # an earlier, longer run's checkpoints: newer by step than anything the new run writes
         shutil.copytree(earlier / "checkpoint-3", folder / f"checkpoint-{step}")
     before = listing(folder)
-    with pytest.raises(GuardError, match="holds another run .* --overwrite_output_dir"):
+    with pytest.raises(CheckError, match="holds another run .* --overwrite_output_dir"):
         train(folder, cache, "--max_steps", "2", "--save_steps", "1", "--average_last", "2")
     assert listing(folder) == before, "nothing written into the earlier run"
     train(folder, cache, "--max_steps", "2", "--save_steps", "1", "--average_last", "2", "--overwrite_output_dir")
@@ -377,7 +373,8 @@ def test_truncated_metrics_and_trainer_state_are_named(run, tmp_path):
 
 
 def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
-    from training.common import DataArguments, ModelArguments, get_tokenizer
+    from training.arguments import DataArguments, ModelArguments
+    from training.prepare import get_tokenizer
 
     data = {"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."}, {"de": "Eine Katze.", "en": "A cat."}]}
     model_args = ModelArguments(cache_dir=str(tmp_path))

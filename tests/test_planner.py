@@ -157,10 +157,10 @@ def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, 
     the logged learning rate falls linearly over the cooldown."""
     import json
 
-    from training import common
+    from training.presets import PRESETS
     from training.train import main
 
-    monkeypatch.setitem(common.PRESETS["tiny"], "cooldown_fraction", 0.5)
+    monkeypatch.setitem(PRESETS["tiny"], "cooldown_fraction", 0.5)
     out = tmp_path / "run"
     metrics = main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"),
                     "--max_train_samples", "300", "--max_steps", "24", "--time_budget_minutes", "60",
@@ -189,18 +189,18 @@ def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, 
 def test_native_bf16_follows_the_cpu_flags_and_the_restrictions(monkeypatch, tmp_path, flags, capability, onednn_isa,
                                                                 native):
     """`cpu_has_native_bf16` on any CPU, with /proc/cpuinfo's flags and torch's capability stood in for."""
-    import training.common as common
+    import training.precision as precision
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor : 0\nflags : {flags}\n")
-    real_path = common.Path
-    monkeypatch.setattr(common, "Path", lambda path: cpuinfo if path == "/proc/cpuinfo" else real_path(path))
+    real_path = precision.Path
+    monkeypatch.setattr(precision, "Path", lambda path: cpuinfo if path == "/proc/cpuinfo" else real_path(path))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     if onednn_isa is None:
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     else:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn_isa)
-    assert common.cpu_has_native_bf16() is native
+    assert precision.cpu_has_native_bf16() is native
 
 
 def _cpu_flags() -> str:
@@ -219,7 +219,7 @@ def test_an_instruction_set_restriction_turns_native_bf16_off():
     import subprocess
     import sys
 
-    code = "from training.common import cpu_has_native_bf16; print(cpu_has_native_bf16())"
+    code = "from training.precision import cpu_has_native_bf16; print(cpu_has_native_bf16())"
     env = dict(__import__("os").environ)
     env.pop("ATEN_CPU_CAPABILITY", None), env.pop("ONEDNN_MAX_CPU_ISA", None)
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -231,7 +231,7 @@ def test_an_instruction_set_restriction_turns_native_bf16_off():
 
 
 def _recipe(cpu_bf16: str):
-    from training.common import RecipeArguments
+    from training.arguments import RecipeArguments
 
     return RecipeArguments(cpu_bf16=cpu_bf16)
 
@@ -242,13 +242,15 @@ def _recipe(cpu_bf16: str):
     (0.15, 0.22, False),  # bf16 slower (a Xeon with AVX512-BF16 and no AMX)
 ])
 def test_auto_precision_measures_where_bf16_is_native(monkeypatch, fp32, bf16, chosen):
-    from training import common
+    from training import precision
+    from training.arguments import ModelArguments
+    from training.presets import PRESETS
 
     measured = []
-    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(common, "time_training_precisions", lambda config: measured.append(config) or (fp32, bf16))
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "time_training_precisions", lambda config: measured.append(config) or (fp32, bf16))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    use_bf16, reason = common.cpu_precision(_recipe("auto"), common.ModelArguments(), common.PRESETS["cpu"])
+    use_bf16, reason = precision.cpu_precision(_recipe("auto"), ModelArguments(), PRESETS["cpu"])
     assert use_bf16 is chosen
     assert f"{bf16 * 1e3:.0f} ms in bf16 autocast against {fp32 * 1e3:.0f} ms in fp32" in reason
     assert ("--cpu_bf16 no for fp32" if chosen else "--cpu_bf16 yes for bf16") in reason
@@ -264,21 +266,25 @@ def test_auto_precision_measures_where_bf16_is_native(monkeypatch, fp32, bf16, c
     ("auto", True, "2", True),  # several processes would each measure and could disagree: native means bf16
 ])
 def test_precision_is_not_measured_where_nothing_is_to_choose(monkeypatch, cpu_bf16, native, world_size, chosen):
-    from training import common
+    from training import precision
+    from training.arguments import ModelArguments
+    from training.presets import PRESETS
 
     def fail(config):
         raise AssertionError("measured")
 
-    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: native)
-    monkeypatch.setattr(common, "time_training_precisions", fail)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(precision, "time_training_precisions", fail)
     monkeypatch.setenv("WORLD_SIZE", world_size)
-    assert common.cpu_precision(_recipe(cpu_bf16), common.ModelArguments(), common.PRESETS["cpu"])[0] is chosen
+    assert precision.cpu_precision(_recipe(cpu_bf16), ModelArguments(), PRESETS["cpu"])[0] is chosen
     with pytest.raises(ValueError, match="--cpu_bf16 must be auto, yes or no, got 'maybe'"):
         _recipe("maybe")  # refused when the flags are parsed
 
 
 def test_precision_probe_uses_the_overridden_widths_and_a_saved_models_config(tmp_path):
-    from training.common import PRESETS, ModelArguments, precision_probe_config
+    from training.arguments import ModelArguments
+    from training.precision import precision_probe_config
+    from training.presets import PRESETS
     from vaswani_hf import VaswaniConfig
 
     config = precision_probe_config(ModelArguments(config_overrides="d_model=128,d_ff=512", vocab_size=3000),
@@ -291,7 +297,7 @@ def test_precision_probe_uses_the_overridden_widths_and_a_saved_models_config(tm
 
 def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
     """The real measurement, on tiny widths; with learned positions it stays within their table."""
-    from training.common import time_training_precisions
+    from training.precision import time_training_precisions
     from vaswani_hf import VaswaniConfig
 
     config = VaswaniConfig(vocab_size=300, d_model=32, encoder_layers=2, decoder_layers=2, num_heads=2, d_ff=64)
@@ -314,9 +320,39 @@ def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
 def test_the_budget_follows_the_cpu_not_the_precision_it_measures(monkeypatch, cpu_bf16, native, budget):
     """A CPU with native bf16 gets the 18-minute budget whichever precision its measurement picks (a Xeon whose
     fp32 is faster trains in fp32 within it); --cpu_bf16 no, or no native bf16, 26 minutes; a GPU, the preset's."""
-    from training import common, train
+    from training import run
+    from training.presets import PRESETS
 
-    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: native)
-    assert train.default_budget_minutes(common.PRESETS["cpu"], _recipe(cpu_bf16), "cpu") == budget
-    assert train.default_budget_minutes(common.PRESETS["cpu"], _recipe(cpu_bf16), "cuda") == 26
-    assert train.default_budget_minutes(common.PRESETS["base"], _recipe(cpu_bf16), "cpu") is None
+    monkeypatch.setattr(run, "cpu_has_native_bf16", lambda: native)
+    assert run.default_budget_minutes(PRESETS["cpu"], _recipe(cpu_bf16), "cpu") == budget
+    assert run.default_budget_minutes(PRESETS["cpu"], _recipe(cpu_bf16), "cuda") == 26
+    assert run.default_budget_minutes(PRESETS["base"], _recipe(cpu_bf16), "cpu") is None
+
+
+def test_the_loop_without_the_planner_stops_in_time_for_the_test_translation(tmp_path, monkeypatch):
+    """train_no_trainer.py has no planner: with a budget it stops training at the budget (counted from the process
+    start) less the estimated time after training, 20 s + the test sentences at the preset's guess per sentence."""
+    import time
+
+    from training import run as scaffold
+    from training.arguments import DataArguments, ModelArguments, RecipeArguments
+    from training.presets import PRESETS
+
+    def new_run(preset: str, recipe: RecipeArguments, *, max_steps_given: bool = False):
+        return scaffold.new_run(ModelArguments(preset=preset), DataArguments(), recipe, preset=PRESETS[preset],
+                                output_dir=tmp_path, max_steps=100, warmup_steps=10, max_steps_given=max_steps_given,
+                                device_type="cpu", resuming=False)
+
+    monkeypatch.setattr(scaffold, "process_start_monotonic", lambda: 1000.0)
+    cpu = new_run("cpu", RecipeArguments(cpu_bf16="no"))
+    assert cpu.plan.budget_minutes == 26 and cpu.data_args.max_eval_samples == 200
+    assert scaffold.training_deadline(cpu, test_sentences=100) == pytest.approx(1000 + 26 * 60 - (20 + 100 * 0.15))
+    gpu = new_run("gpu", RecipeArguments(cpu_bf16="no", time_budget_minutes=10))
+    assert scaffold.training_deadline(gpu, test_sentences=1000) == pytest.approx(1000 + 600 - (20 + 1000 * 0.03))
+    clock = new_run("cpu", RecipeArguments(cpu_bf16="no", max_train_minutes=1), max_steps_given=True)
+    assert scaffold.training_deadline(clock, test_sentences=100) == pytest.approx(time.monotonic() + 60, abs=5)
+    assert new_run("cpu", RecipeArguments(cpu_bf16="no"), max_steps_given=True).plan.budget_minutes is None
+    assert scaffold.training_deadline(new_run("tiny", RecipeArguments(cpu_bf16="no")), test_sentences=9) is None
+    with pytest.raises(ValueError, match="--time_budget_minutes must be a positive number of minutes, got 0"):
+        new_run("tiny", RecipeArguments(time_budget_minutes=0))
+

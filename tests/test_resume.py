@@ -24,7 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from training.checkpoints import CheckpointError, checkpoint_problems, resolve_resume_checkpoint
+from training.run_checks import checkpoint_problems, resolve_resume_checkpoint
+from vaswani_hf.checks import CheckError
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "training" / "train.py"
@@ -116,7 +117,7 @@ def killed_and_resumed(tmp_path_factory, cache):
     resolved = resolve_resume_checkpoint("last", victim_dir)
     unusable = {}
     for name in (planted_a, planted_b):
-        with pytest.raises(CheckpointError) as error:
+        with pytest.raises(CheckError) as error:
             resolve_resume_checkpoint(str(name), victim_dir)
         unusable[name.name] = str(error.value)
 
@@ -201,13 +202,13 @@ def test_resumed_run_ends_with_the_same_weights_optimizer_scheduler_and_rng(kill
 
 
 def test_resolver_errors_name_the_folder_and_the_way_out(tmp_path):
-    with pytest.raises(CheckpointError, match=r"no checkpoint-<step> folder in .*nothing to resume"):
+    with pytest.raises(CheckError, match=r"no checkpoint-<step> folder in .*nothing to resume"):
         resolve_resume_checkpoint("last", tmp_path)
-    with pytest.raises(CheckpointError, match="no such folder"):
+    with pytest.raises(CheckError, match="no such folder"):
         resolve_resume_checkpoint(str(tmp_path / "checkpoint-9"), tmp_path)
     (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "checkpoint-2" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
-    with pytest.raises(CheckpointError, match=r"none of the 1 checkpoint folders .* is complete[\s\S]*checkpoint-2: "
+    with pytest.raises(CheckError, match=r"none of the 1 checkpoint folders .* is complete[\s\S]*checkpoint-2: "
                                               r"model.safetensors is truncated"):
         resolve_resume_checkpoint(True, tmp_path)
     assert resolve_resume_checkpoint(None, tmp_path) is None and resolve_resume_checkpoint("", tmp_path) is None

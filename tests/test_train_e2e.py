@@ -89,7 +89,8 @@ def test_second_run_reuses_cached_tokenizer(trained, tmp_path, caplog):
 
 
 def test_bad_preset_and_override_errors_are_clear():
-    from training.common import parse_overrides, resolve_preset, ModelArguments
+    from training.arguments import ModelArguments
+    from training.presets import parse_overrides, resolve_preset
 
     with pytest.raises(ValueError, match="unknown; choose one of"):
         resolve_preset(ModelArguments(preset="huge"))

@@ -9,10 +9,72 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from training.arguments import DataArguments  # noqa: E402
+from vaswani_hf.checks import CheckError  # noqa: E402
+
+
+def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, *, batch_size: int = 64,
+                      num_beams: int = 4, length_penalty: float = 0.6, is_multi30k: bool = True,
+                      length_penalty_style: str = "hf") -> dict[str, Any]:
+    """Translate the test split (beam 4, length penalty 0.6 by default) and score it with detokenized sacreBLEU and,
+    on the shipped Multi30k, lowercased tokenized BLEU against the official `tok/` references.
+
+    `length_penalty_style`: "hf" (`model.generate`: score / |Y|^alpha) or "gnmt" (the paper's
+    ((5 + |Y|) / 6)^alpha and at most input length + 50 tokens, `vaswani_hf.decoding.paper_generate`).
+
+    Returns:
+        `{"metrics": {...}, "hypotheses": [...], "sources": [...], "references": [...]}`; the metrics are
+        `test_bleu`, `test_bleu_signature`, on Multi30k `test_tok_bleu` and `test_tok_bleu_signature`,
+        `test_sentences`, `test_seconds`, `test_sentences_per_second` and the decoding settings.
+
+    Raises:
+        CheckError: an unknown `length_penalty_style`.
+    """
+    from vaswani_hf.bleu import compute_bleu
+    from vaswani_hf.data import multi30k_file, read_lines
+    from vaswani_hf.inference import translate_sentences
+
+    sources = [t[data_args.source_lang] for t in test_dataset["translation"]]
+    references = [t[data_args.target_lang] for t in test_dataset["translation"]]
+    start = time.perf_counter()
+    generate_fn = None
+    if length_penalty_style == "gnmt":
+        from vaswani_hf.decoding import paper_generate
+
+        def generate_fn(m, input_ids, attention_mask=None, **_):
+            return paper_generate(m, input_ids, attention_mask, num_beams=num_beams, alpha=length_penalty)
+    elif length_penalty_style != "hf":
+        raise CheckError(f"length_penalty_style must be 'hf' or 'gnmt', got {length_penalty_style!r}.")
+    hypotheses = translate_sentences(model, tokenizer, sources, batch_size=batch_size, num_beams=num_beams,
+                                     length_penalty=length_penalty, generate_fn=generate_fn)
+    seconds = time.perf_counter() - start
+    tok_refs = None
+    if is_multi30k and data_args.target_lang in ("de", "en"):
+        tok_refs = read_lines(multi30k_file("test", data_args.target_lang, tokenized_lowercased=True))
+        tok_refs = tok_refs[: len(hypotheses)]
+    scores = compute_bleu(hypotheses, references, tok_refs, target_lang=data_args.target_lang)
+    metrics = {
+        "test_bleu": round(scores["bleu"], 2),
+        "test_bleu_signature": scores["signature"],
+        "test_sentences": len(sources),
+        "test_seconds": round(seconds, 1),
+        "test_sentences_per_second": round(len(sources) / seconds, 2),
+        "num_beams": num_beams,
+        "length_penalty": length_penalty,
+        "length_penalty_style": length_penalty_style,
+    }
+    if "tok_bleu" in scores:
+        metrics["test_tok_bleu"] = round(scores["tok_bleu"], 2)
+        metrics["test_tok_bleu_signature"] = scores["tok_signature"]
+    return {"metrics": metrics, "hypotheses": hypotheses, "sources": sources, "references": references}
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,17 +91,19 @@ def main(argv: list[str] | None = None) -> int:
                              "input length + 50 tokens (§6.1).")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--max_test_samples", type=int, default=None)
-    parser.add_argument("--output", default=None, help="Write the metrics JSON here (default: <model>/test_metrics.json).")
+    parser.add_argument("--output", default=None,
+                        help="Write the metrics JSON here (default: <model>/test_metrics.json).")
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import vaswani_hf  # noqa: F401
-    from training.common import DataArguments, evaluate_test_set, select, write_json_atomic
+    from training.atomic import write_json_atomic
+    from training.prepare import select
+    from training.run_checks import check_device
+    from vaswani_hf.checks import check_model_folder, check_output_file
     from vaswani_hf.data import load_multi30k, load_parallel_dataset
-
-    from training.checkpoints import CheckpointError, check_model_folder
 
     for name in ("num_beams", "batch_size", "max_test_samples"):
         value = getattr(args, name)
@@ -47,15 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name} must be >= 1, got {value}.")
     if not math.isfinite(args.length_penalty):
         raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
-    from training.guards import check_device
-    from vaswani_hf.checks import CheckError, check_output_file
-
     output = Path(args.output) if args.output else Path(args.model) / "test_metrics.json"
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer; a writable --output
         check_model_folder(args.model)
         device = check_device(args.device)
         check_output_file(output, flag="--output")
-    except (CheckpointError, CheckError) as error:
+    except CheckError as error:
         raise SystemExit(str(error)) from None
     data_args = DataArguments(source_lang=args.source_lang, target_lang=args.target_lang, test_file=args.test_file)
     if args.test_file:

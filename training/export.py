@@ -58,7 +58,7 @@ def card_data_for(metrics: dict[str, Any], *, model_name: str, source_lang: str,
                   license: str | None = None):
     """The model card's YAML metadata as a `huggingface_hub.ModelCardData`.
 
-    Languages, dataset and BLEU come from the run's `metrics` (as `training/common.py:finish_run` writes them); the
+    Languages, dataset and BLEU come from the run's `metrics` (as `training/run.py:finish` writes them); the
     model-index lists the detokenized sacreBLEU and, on Multi30k, the lowercased tokenized BLEU of the test split.
     Without a test BLEU in `metrics` there is no model-index. `license` defaults to "other" (the Multi30k terms:
     non-commercial research and education) for Multi30k runs and "unknown" otherwise.

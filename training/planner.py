@@ -49,6 +49,11 @@ def process_start_monotonic() -> float:
 _IMPORTED_AT = time.monotonic()
 
 
+def seconds_after_training(test_sentences: int, seconds_per_sentence: float) -> float:
+    """Estimated time of everything after training: translating `test_sentences` and saving (20 s)."""
+    return 20.0 + test_sentences * seconds_per_sentence
+
+
 class BudgetPlanner(TrainerCallback):
     """A `TrainerCallback` that plans the number of updates to fit `budget_minutes` and ends the schedule there.
 
@@ -102,8 +107,8 @@ class BudgetPlanner(TrainerCallback):
         return time.monotonic() - self.start
 
     def final_seconds(self) -> float:
-        """Estimated time of everything after training: the test translation and saving (20 s)."""
-        return 20.0 + self.test_sentences * self.seconds_per_sentence
+        """Estimated time of everything after training (`seconds_after_training`)."""
+        return seconds_after_training(self.test_sentences, self.seconds_per_sentence)
 
     def plan(self, step: int, eval_steps: int | None, lambdas) -> int:
         """Plan the run's last update from `step` on; set the schedule's end in `lambdas`; return the plan."""

@@ -1,69 +1,130 @@
-"""What the training and inference commands check before any long work, so that nothing is lost and nothing is silent:
-flags mean what they say in either spelling, an output folder never holds another run's checkpoints unless asked,
-averaging reads only this run's checkpoints, the Hub token is written nowhere, and a device that is not there is named.
+"""The checks only the commands need, on top of `vaswani_hf.checks`: a device that is there, a model and tokenizer to
+start from, an `--output_dir` that holds no other run, `--average_last` that has the checkpoints it averages, and
+`--resume_from_checkpoint` resolved to a complete checkpoint.
 
-Each check raises `GuardError` (a `ValueError`) naming what is wrong and what to do.
+Every check raises `vaswani_hf.checks.CheckError` (a `ValueError`) naming the flag or folder at fault, what is wrong
+and what to do.
+
+Checkpoints. A run writes a `checkpoint-<step>` folder file after file: Trainer (transformers 5
+`Trainer._save_checkpoint`) writes weights, then optimizer and scheduler, then RNG state, then `trainer_state.json`,
+in place, so a run killed while saving leaves a folder that is there but incomplete, and transformers'
+`get_last_checkpoint` picks the newest folder whatever it holds. `resolve_resume_checkpoint` picks the newest
+*complete* one instead and says which incomplete ones it skipped. The accelerate loop (`train_no_trainer.py`) writes
+`accelerator.save_state` files (`optimizer.bin`, `scheduler.bin`, `random_states_<rank>.pkl`) into a temporary folder
+that it renames when complete; the same check applies to it.
+
+A checkpoint is complete when it holds every file of its layout and each can be read to its end: the safetensors
+header describes exactly the bytes in the file, the `torch.save` files (zip archives) pass their CRC checks, and
+`trainer_state.json` parses and names the folder's step. The contents are never unpickled here.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import re
 import shutil
-from collections.abc import Sequence
+import zipfile
 from pathlib import Path
 
-from vaswani_hf.checks import CheckError, check_model_folder, check_output_dir, check_output_not_in_inputs, read_json
+from vaswani_hf.averaging import find_checkpoints
+from vaswani_hf.checks import (
+    CheckError,
+    check_model_folder,
+    check_output_dir,
+    check_output_not_in_inputs,
+    read_json,
+    weights_problems,
+)
 
 logger = logging.getLogger("vaswani_hf.training")
 
-_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+__all__ = ["CHECKPOINT_FILES", "average_current_run", "check_average_last", "check_device", "check_model_inputs",
+           "check_run_output_dir", "checkpoint_problems", "current_run_checkpoints", "resolve_resume_checkpoint",
+           "resolve_resume_value"]
+
 # Files a finished or running training run leaves in its output_dir; a new run would overwrite or mix with them.
 RUN_FILES = ("model.safetensors", "metrics.json", "trainer_state.json", "test_translations.txt")
-
-__all__ = ["GuardError", "check_average_last", "check_device", "check_model_inputs", "check_run_output_dir",
-           "current_run_checkpoints", "average_current_run", "given_flags", "strip_hub_token"]
-
-
-class GuardError(CheckError):
-    """A flag or folder that would lose data or silently do something else than asked."""
-
-
-def given_flags(parser, argv: Sequence[str] | None) -> set[str]:
-    """The option names (dests, underscored) given on the command line, whatever the spelling: `--max-steps 3`,
-    `--max_steps=3` and `--no_x` all count. `parser.allow_abbrev` must be False (abbreviations would go uncounted)."""
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    actions = parser._option_string_actions  # argparse's own table of every spelling -> action
-    given = set()
-    for token in argv:
-        if not token.startswith("--"):
-            continue
-        action = actions.get(token.split("=", 1)[0])
-        if action is not None:
-            given.add(action.dest)
-        else:
-            given.add(token.split("=", 1)[0].lstrip("-").replace("-", "_"))
-    return given
+# The files of a complete checkpoint, by the loop that writes it ("trainer": train.py, "accelerate":
+# train_no_trainer.py); `rng_state_<rank>.pth` files stand for `rng_state.pth` after a multi-process Trainer run.
+CHECKPOINT_FILES = {
+    "trainer": ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"),
+    "accelerate": ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "trainer_state.json"),
+}
+_OTHER_LOOP = {"trainer": ("optimizer.bin", "train_no_trainer.py"), "accelerate": ("optimizer.pt", "train.py")}
+_CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+_RESUME_LAST = ("true", "last", "latest")
 
 
-def strip_hub_token(args) -> str | None:
-    """Take the Hub token out of an arguments object (Trainer pickles its arguments into training_args.bin of the run
-    and of every checkpoint) and return it, to be passed only to the upload call."""
-    token = getattr(args, "hub_token", None)
-    if token is not None:
-        args.hub_token = None
-    return token
+# -- devices and inputs ------------------------------------------------------------------------------------------------
 
 
-def _checkpoints(folder: Path) -> list[Path]:
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
+def check_device(name: str | None) -> str:
+    """The torch device for `--device name` (default: cuda where available, else cpu).
+
+    Raises:
+        CheckError: an unknown device name, or a CUDA/MPS device this torch or machine does not have.
+    """
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as error:
+        raise CheckError(f"--device {name}: not a device name ({error}); use cpu, cuda, cuda:1 or mps.") from None
+    if device.type == "cuda":
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise CheckError(f"--device {name}: this torch ({torch.__version__}) is built without CUDA. Use --device "
+                             f"cpu, or install a CUDA build of torch (https://pytorch.org/get-started/locally/).")
+        if not torch.cuda.is_available():
+            raise CheckError(f"--device {name}: no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), "
+                             f"or use --device cpu.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CheckError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible.")
+    elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise CheckError(f"--device {name}: MPS is not available on this machine; use --device cpu.")
+    return name
+
+
+def check_model_inputs(model_name_or_path: str | None, tokenizer_name: str | None,
+                       config_overrides: str | None) -> None:
+    """Before data preparation: --config_overrides cannot apply to a saved model (refused, not ignored); a local
+    --model_name_or_path is a complete vaswani folder (`check_model_folder`); every JSON file of a local
+    --tokenizer_name parses (errors name the file).
+
+    Raises:
+        CheckError: naming the flag and what to do.
+    """
+    if config_overrides and model_name_or_path:
+        raise CheckError(f"--config_overrides {config_overrides!r} cannot apply to --model_name_or_path "
+                         f"{model_name_or_path}: a saved model keeps the config it was trained with. Drop "
+                         f"--config_overrides to continue that model, or drop --model_name_or_path to train a new one.")
+    if model_name_or_path and (Path(model_name_or_path).exists() or not _looks_like_hub_id(model_name_or_path)):
+        check_model_folder(model_name_or_path, need_tokenizer=not tokenizer_name)
+    if tokenizer_name and (Path(tokenizer_name).exists() or not _looks_like_hub_id(tokenizer_name)):
+        folder = Path(tokenizer_name)
+        if not folder.is_dir():
+            raise CheckError(f"--tokenizer_name {tokenizer_name}: no such folder.")
+        if not (folder / "tokenizer.json").is_file():
+            raise CheckError(f"--tokenizer_name {tokenizer_name}: no tokenizer.json in it; pass a folder saved with "
+                             f"tokenizer.save_pretrained().")
+        for path in sorted(folder.glob("*.json")):
+            read_json(path)
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not name.startswith((".", "/"))
+
+
+# -- the output folder and averaging -----------------------------------------------------------------------------------
+
+
+def _checkpoint_folders(folder: Path) -> list[Path]:
+    """`checkpoint-<step>` folders directly under `folder`, oldest (lowest step) first; none if it is no folder."""
+    return find_checkpoints(folder) if folder.is_dir() else []
 
 
 def check_run_output_dir(output_dir: str | os.PathLike, *, resuming: bool, overwrite: bool,
@@ -71,7 +132,11 @@ def check_run_output_dir(output_dir: str | os.PathLike, *, resuming: bool, overw
     """Refuse, before any work, an `--output_dir` that cannot be written, that is/contains/lies inside an input folder
     (`inputs`: flag -> path), or that holds another run (checkpoints, a model, metrics) when the run neither resumes
     nor passes `--overwrite_output_dir`. With `overwrite`, the earlier run's `checkpoint-<step>` folders are removed,
-    so that neither resuming nor averaging nor Trainer's checkpoint rotation can mix them with the new run's."""
+    so that neither resuming nor averaging nor Trainer's checkpoint rotation can mix them with the new run's.
+
+    Raises:
+        CheckError: naming the folder, what it holds and the three ways on.
+    """
     output_dir = Path(output_dir)
     check_output_dir(output_dir, flag="--output_dir")
     for flag, path in (inputs or {}).items():
@@ -79,13 +144,13 @@ def check_run_output_dir(output_dir: str | os.PathLike, *, resuming: bool, overw
             check_output_not_in_inputs(output_dir, [path], output_flag="--output_dir", input_flag=flag)
     if resuming or not output_dir.is_dir():
         return
-    checkpoints = _checkpoints(output_dir)
+    checkpoints = _checkpoint_folders(output_dir)
     files = [name for name in RUN_FILES if (output_dir / name).exists()]
     if not checkpoints and not files:
         return
     if not overwrite:
         held = ", ".join([p.name for p in checkpoints[-3:]] + files)
-        raise GuardError(
+        raise CheckError(
             f"--output_dir {output_dir} holds another run ({held}). A new run would overwrite its model and mix its "
             f"checkpoints with the new ones (resuming and --average_last would pick them up). Choose a new "
             f"--output_dir, continue that run with --resume_from_checkpoint last, or pass --overwrite_output_dir to "
@@ -98,31 +163,33 @@ def check_run_output_dir(output_dir: str | os.PathLike, *, resuming: bool, overw
 def check_average_last(average_last: int, *, save_total_limit: int | None, save_total_limit_given: bool,
                        saving: bool, max_steps: int | None, save_steps: int | float | None,
                        resuming: bool) -> int | None:
-    """Check `--average_last N` before training instead of failing after it.
+    """Check `--average_last N` against the checkpoints the run will keep, before any work (§6.1 averages the last 5
+    or 20 checkpoints; fewer kept would average fewer without a word).
 
     Returns:
-        the `save_total_limit` to use: raised to N where the user left it at its default, else unchanged.
+        the `save_total_limit` to use: a default below N is raised to N (an explicit one is refused instead).
+
     Raises:
-        GuardError: N < 0; N > 0 with checkpoints off; an explicit --save_total_limit below N; a fresh run whose
+        CheckError: N < 0; N > 0 with checkpoints off; an explicit --save_total_limit below N; a fresh run whose
             --max_steps and --save_steps write fewer than N checkpoints.
     """
-    if isinstance(average_last, bool) or average_last < 0:
-        raise GuardError(f"--average_last must be >= 0 (0: no averaging), got {average_last}.")
+    if average_last < 0:
+        raise CheckError(f"--average_last must be >= 0 (0: no averaging), got {average_last}.")
     if not average_last:
         return save_total_limit
     if not saving:
-        raise GuardError(f"--average_last {average_last} averages saved checkpoints, but --save_strategy is 'no'; "
+        raise CheckError(f"--average_last {average_last} averages saved checkpoints, but --save_strategy is 'no'; "
                          f"use --save_strategy steps.")
     if save_total_limit is not None and save_total_limit < average_last:
         if save_total_limit_given:
-            raise GuardError(f"--average_last {average_last} needs at least {average_last} checkpoints kept, but "
+            raise CheckError(f"--average_last {average_last} needs at least {average_last} checkpoints kept, but "
                              f"--save_total_limit {save_total_limit} deletes all but {save_total_limit}. Pass "
                              f"--save_total_limit {average_last} or more (or lower --average_last).")
         save_total_limit = average_last
     if not resuming and max_steps and max_steps > 0 and save_steps and save_steps >= 1:
         written = math.ceil(max_steps / int(save_steps))  # the last step is always saved as well
         if written < average_last:
-            raise GuardError(f"--average_last {average_last}: --max_steps {max_steps} with --save_steps "
+            raise CheckError(f"--average_last {average_last}: --max_steps {max_steps} with --save_steps "
                              f"{int(save_steps)} writes only {written} checkpoint(s). Lower --save_steps (at most "
                              f"{max(1, max_steps // average_last)}) or --average_last.")
     return save_total_limit
@@ -131,7 +198,7 @@ def check_average_last(average_last: int, *, save_total_limit: int | None, save_
 def current_run_checkpoints(output_dir: str | os.PathLike, *, started: float, resuming: bool) -> list[Path]:
     """The `checkpoint-<step>` folders of this run, oldest first: with `resuming`, all of them (they belong to the
     run being continued); otherwise only those saved since `started` (a `time.time()`), never an earlier run's."""
-    found = _checkpoints(Path(output_dir))
+    found = _checkpoint_folders(Path(output_dir))
     if resuming:
         return found
 
@@ -146,70 +213,135 @@ def average_current_run(output_dir: str | os.PathLike, n: int, *, started: float
     """Average the last `n` checkpoints of this run (`current_run_checkpoints`) into `output_dir` (§6.1).
 
     Raises:
-        GuardError: this run saved fewer than `n` checkpoints (e.g. stopped early by the clock).
+        CheckError: this run saved fewer than `n` checkpoints (e.g. stopped early by the clock).
     """
     from vaswani_hf.averaging import average_checkpoints, save_averaged_model
 
     mine = current_run_checkpoints(output_dir, started=started, resuming=resuming)
     if len(mine) < n:
         names = ", ".join(p.name for p in mine) or "none"
-        raise GuardError(f"--average_last {n}: this run saved only {len(mine)} checkpoint(s) in {output_dir} ({names}); "
-                         f"earlier runs' checkpoints are never averaged in. The unaveraged model is saved there; "
-                         f"average what there is with vaswani-average --checkpoints ..., or train longer.")
+        raise CheckError(f"--average_last {n}: this run saved only {len(mine)} checkpoint(s) in {output_dir} "
+                         f"({names}); earlier runs' checkpoints are never averaged in. The unaveraged model is saved "
+                         f"there; average what there is with vaswani-average --checkpoints ..., or train longer.")
     chosen = mine[-n:]
     save_averaged_model(average_checkpoints(chosen), chosen[-1], output_dir, sources=chosen)
     return chosen
 
 
-def check_device(name: str | None) -> str:
-    """The torch device for `--device name` (default: cuda where available, else cpu).
+# -- checkpoints and resuming ------------------------------------------------------------------------------------------
 
-    Raises:
-        GuardError: an unknown device name, or a CUDA/MPS device this torch or machine does not have.
-    """
-    import torch
 
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
+def _zip_problem(path: Path) -> str | None:
+    """`torch.save` files are zip archives: a truncated one has no central directory, a damaged one fails a CRC."""
+    if not path.is_file():
+        return f"{path.name} is missing"
     try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as error:
-        raise GuardError(f"--device {name}: not a device name ({error}); use cpu, cuda, cuda:1 or mps.") from None
-    if device.type == "cuda":
-        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-            raise GuardError(f"--device {name}: this torch ({torch.__version__}) is built without CUDA. Use --device "
-                             f"cpu, or install a CUDA build of torch (https://pytorch.org/get-started/locally/).")
-        if not torch.cuda.is_available():
-            raise GuardError(f"--device {name}: no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), "
-                             f"or use --device cpu.")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise GuardError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible.")
-    elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise GuardError(f"--device {name}: MPS is not available on this machine; use --device cpu.")
-    return name
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return f"{path.name} is truncated or not a torch.save archive"
+    return f"{path.name} is corrupted (CRC mismatch in {bad})" if bad else None
 
 
-def check_model_inputs(model_name_or_path: str | None, tokenizer_name: str | None,
-                       config_overrides: str | None) -> None:
-    """Before data preparation: --config_overrides cannot apply to a saved model (refused, not ignored); a local
-    --model_name_or_path is a complete vaswani folder (`check_model_folder`); every JSON file of a local
-    --tokenizer_name parses (errors name the file)."""
-    if config_overrides and model_name_or_path:
-        raise GuardError(f"--config_overrides {config_overrides!r} cannot apply to --model_name_or_path "
-                         f"{model_name_or_path}: a saved model keeps the config it was trained with. Drop "
-                         f"--config_overrides to continue that model, or drop --model_name_or_path to train a new one.")
-    if model_name_or_path and (Path(model_name_or_path).exists() or not _looks_like_hub_id(model_name_or_path)):
-        check_model_folder(model_name_or_path, need_tokenizer=not tokenizer_name)
-    if tokenizer_name and (Path(tokenizer_name).exists() or not _looks_like_hub_id(tokenizer_name)):
-        folder = Path(tokenizer_name)
-        if not folder.is_dir():
-            raise GuardError(f"--tokenizer_name {tokenizer_name}: no such folder.")
-        if not (folder / "tokenizer.json").is_file():
-            raise GuardError(f"--tokenizer_name {tokenizer_name}: no tokenizer.json in it; pass a folder saved with "
-                             f"tokenizer.save_pretrained().")
-        for path in sorted(folder.glob("*.json")):
-            read_json(path)
+def checkpoint_problems(folder: str | os.PathLike, *, layout: str = "trainer") -> list[str]:
+    """What makes `folder` unusable for resuming training; an empty list for a complete checkpoint.
+
+    `layout`: "trainer" (a Seq2SeqTrainer checkpoint of train.py) or "accelerate" (`accelerator.save_state` of
+    train_no_trainer.py); see `CHECKPOINT_FILES`. A checkpoint of the other loop is named as such.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return [f"{folder} is not a folder"]
+    other_file, other_loop = _OTHER_LOOP[layout]
+    if (folder / other_file).is_file() and not (folder / CHECKPOINT_FILES[layout][1]).is_file():
+        return [f"it is a checkpoint of {other_loop} (it holds {other_file}): resume it with {other_loop}"]
+    problems = weights_problems(folder)
+    _, optimizer, scheduler, rng, _ = CHECKPOINT_FILES[layout]
+    problems += [problem for name in (optimizer, scheduler) if (problem := _zip_problem(folder / name))]
+    if layout == "trainer":
+        rng_files = sorted(folder.glob("rng_state_*.pth")) or [folder / rng]
+    else:
+        rng_files = sorted(folder.glob("random_states_*.pkl")) or [folder / rng]
+    problems += [problem for path in rng_files if (problem := _zip_problem(path))]
+    state_path = folder / "trainer_state.json"
+    if not state_path.is_file():
+        problems.append("trainer_state.json is missing (it is written last, so the save did not finish)")
+    else:
+        try:
+            step = json.loads(state_path.read_text(encoding="utf-8"))["global_step"]
+        except (OSError, ValueError, KeyError, TypeError):
+            problems.append("trainer_state.json is truncated or unreadable")
+        else:
+            match = _CHECKPOINT_NAME.fullmatch(folder.name)
+            if match and int(match.group(1)) != step:
+                problems.append(f"trainer_state.json is for step {step}, not {match.group(1)}")
+    return problems
 
 
-def _looks_like_hub_id(name: str) -> bool:
-    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not name.startswith((".", "/"))
+def _newest_complete(output_dir: Path, asked: str, layout: str) -> str:
+    candidates = _checkpoint_folders(output_dir)[::-1]
+    if not candidates:
+        raise CheckError(
+            f"--resume_from_checkpoint {asked}: no checkpoint-<step> folder in {output_dir}, so there is nothing to "
+            f"resume. Check --output_dir, or drop --resume_from_checkpoint to start a new run.")
+    skipped = []
+    for folder in candidates:
+        problems = checkpoint_problems(folder, layout=layout)
+        if not problems:
+            for name, why in skipped:
+                logger.warning("Not resuming from %s, which is incomplete (%s); it is newer than %s, which is "
+                               "complete.", name, why, folder.name)
+            logger.info("Resuming from %s", folder)
+            return str(folder)
+        skipped.append((folder.name, "; ".join(problems)))
+    listing = "\n".join(f"  {name}: {why}" for name, why in skipped)
+    raise CheckError(
+        f"--resume_from_checkpoint {asked}: none of the {len(skipped)} checkpoint folders in {output_dir} is complete "
+        f"(a run killed while saving leaves such folders):\n{listing}\nStart a new run without "
+        f"--resume_from_checkpoint, or restore a complete checkpoint folder.")
+
+
+def resolve_resume_value(value: str | bool | None) -> str | bool | None:
+    """`--resume_from_checkpoint` as given, or None where it means "do not resume" (unset, false, no, "")."""
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "false", "no")):
+        return None
+    return value
+
+
+def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | os.PathLike, *,
+                              layout: str = "trainer") -> str | None:
+    """The checkpoint folder that `--resume_from_checkpoint value` should resume from, verified complete.
+
+    Args:
+        value: None/False/"" (do not resume); True or "true"/"last"/"latest" (the newest complete checkpoint in
+            `output_dir`, skipping newer incomplete ones with a warning); a run folder holding `checkpoint-<step>`
+            folders (its newest complete one); or one checkpoint folder (used if complete).
+        output_dir: the run's `--output_dir`.
+        layout: "trainer" or "accelerate", the loop that resumes (`checkpoint_problems`).
+    Returns:
+        the folder to resume from, or None.
+    Raises:
+        CheckError: no checkpoint at all, none complete, or the named folder is incomplete/missing; the message
+            lists what is wrong and the newest complete alternative, if any.
+    """
+    if resolve_resume_value(value) is None:
+        return None
+    if value is True or (isinstance(value, str) and value.strip().lower() in _RESUME_LAST):
+        return _newest_complete(Path(output_dir), str(value), layout)
+    folder = Path(value)
+    if not folder.exists():
+        raise CheckError(f"--resume_from_checkpoint {value}: no such folder. Pass a checkpoint-<step> folder, "
+                         f"or 'last' for the newest complete checkpoint in --output_dir.")
+    if not _CHECKPOINT_NAME.fullmatch(folder.name) and _checkpoint_folders(folder):
+        return _newest_complete(folder, str(value), layout)
+    problems = checkpoint_problems(folder, layout=layout)
+    if problems:
+        alternative = ""
+        for other in _checkpoint_folders(folder.parent)[::-1]:
+            if other != folder and not checkpoint_problems(other, layout=layout):
+                alternative = f" The newest complete checkpoint beside it is {other}; or pass 'last'."
+                break
+        raise CheckError(
+            f"--resume_from_checkpoint {value}: this checkpoint is incomplete or damaged ({'; '.join(problems)}), "
+            f"so resuming from it would not continue the run.{alternative}")
+    return str(folder)

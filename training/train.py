@@ -5,7 +5,7 @@
     accelerate launch training/train.py --preset base --bf16   # the same on N GPUs / nodes
 
 Every Seq2SeqTrainingArguments flag works (--output_dir, --max_steps, --gradient_accumulation_steps, --save_steps,
---resume_from_checkpoint, --push_to_hub, --report_to, ...), plus the flags of `training/common.py`.
+--resume_from_checkpoint, --push_to_hub, --report_to, ...), plus the flags of `training/arguments.py`.
 
 The recipe (§5.3-5.4): Adam(0.9, 0.98, 1e-9); lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
 label smoothing 0.1 (in the model's loss, exact under gradient accumulation); dropout 0.1; token-budget batches.
@@ -16,7 +16,6 @@ set is translated and scored (sacreBLEU and lowercased tokenized BLEU) and `<out
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import time
@@ -25,7 +24,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `training` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
 from torch.utils.data import DataLoader
 from transformers import (
     DataCollatorForSeq2Seq,
@@ -36,34 +34,32 @@ from transformers import (
     set_seed,
 )
 
-from training.checkpoints import resolve_resume_value
-from training.common import (
-    DataArguments,
-    ModelArguments,
-    RecipeArguments,
-    bound_onednn_caches,
-    build_model,
+from training.arguments import DataArguments, ModelArguments, RecipeArguments
+from training.planner import BudgetPlanner
+from training.precision import cpu_precision
+from training.prepare import select, token_budget_sampler
+from training.presets import resolve_preset
+from training.run import (
+    HubPush,
+    Run,
+    average_into,
+    check_inputs,
     check_distributed,
-    cpu_has_native_bf16,
-    cpu_precision,
-    finish_run,
-    keep_freed_memory,
-    prepare_data,
-    resolve_preset,
-    select,
-    setup_logging,
-    token_budget_sampler,
-)
-from training.guards import (
-    average_current_run,
-    check_average_last,
-    check_model_inputs,
-    check_run_output_dir,
+    check_positions,
+    claim_output_dir,
+    command_cli,
+    count_test_sentences,
+    finish,
     given_flags,
+    new_run,
+    prepare,
+    run_metrics,
+    seconds_per_test_sentence,
+    start_process,
     strip_hub_token,
 )
-from vaswani_hf import VaswaniForConditionalGeneration
-from vaswani_hf.checks import CheckError, RunLock, check_output_dir
+from training.run_checks import resolve_resume_checkpoint, resolve_resume_value
+from vaswani_hf.checks import CheckError
 from vaswani_hf.data import example_lengths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
@@ -168,11 +164,11 @@ class TimeLimit(TrainerCallback):
         return control
 
 
-def precision_choice(training_args: Seq2SeqTrainingArguments, recipe, model_args, preset) -> tuple[str, str]:
+def precision_choice(training_args: Seq2SeqTrainingArguments, run: Run) -> tuple[str, str]:
     """What a run computes in and why: ("bf16 autocast" | "fp16 autocast" | "fp32", the reason in words).
 
     --bf16 / --fp16 as given; on a GPU fp32 without them; on the CPU per --cpu_bf16
-    (`training.common.cpu_precision`: under auto, bf16 autocast where the CPU has native bf16 and a training step
+    (`training.precision.cpu_precision`: under auto, bf16 autocast where the CPU has native bf16 and a training step
     measured in both precisions is at least 1.15x faster in it). Sets `training_args.bf16` when it picks bf16 autocast
     on the CPU, and logs the choice.
     """
@@ -182,21 +178,13 @@ def precision_choice(training_args: Seq2SeqTrainingArguments, recipe, model_args
     elif training_args.fp16:
         precision, reason = "fp16 autocast", "--fp16 given"
     elif training_args.device.type == "cpu":
-        bf16, reason = cpu_precision(recipe, model_args, preset)
+        bf16, reason = cpu_precision(run.recipe, run.model_args, run.preset)
         if bf16:
             precision = "bf16 autocast"
             training_args.bf16 = True  # autocast on the CPU
             training_args.mixed_precision = "bf16"  # what Trainer hands to accelerate
     logger.info("Precision: %s (%s).", precision, reason)
     return precision, reason
-
-
-def default_budget_minutes(preset: dict, recipe, device_type: str) -> float | None:
-    """The preset's time budget for the whole command: `time_budget_minutes_native_bf16` on a CPU with native bf16
-    (whichever precision `cpu_precision` then finds faster there) unless --cpu_bf16 no, else `time_budget_minutes`;
-    `None` where the preset has none (base, big, tiny)."""
-    native = device_type == "cpu" and recipe.cpu_bf16 != "no" and cpu_has_native_bf16()
-    return preset.get("time_budget_minutes_native_bf16" if native else "time_budget_minutes")
 
 
 def build_parser() -> HfArgumentParser:
@@ -207,9 +195,7 @@ def build_parser() -> HfArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    setup_logging()
-    keep_freed_memory()
-    bound_onednn_caches()
+    start_process()
     parser = build_parser()
     model_args, data_args, recipe, training_args = parser.parse_args_into_dataclasses(args=argv)
     preset = resolve_preset(model_args)
@@ -222,72 +208,38 @@ def main(argv: list[str] | None = None) -> dict:
     warmup = training_args.get_warmup_steps(training_args.max_steps) if training_args.max_steps > 0 else int(
         training_args.warmup_steps)
     if warmup < 1:
-        raise ValueError(f"--warmup_steps {training_args.warmup_steps} gives {warmup} warmup steps; Eq. 3 of the paper "
+        raise CheckError(f"--warmup_steps {training_args.warmup_steps} gives {warmup} warmup steps; Eq. 3 of the paper "
                          f"needs at least 1 (the paper uses 4000, the cpu preset 400).")
     for key, value in preset.get("trainer", {}).items():  # the preset's Trainer settings, unless given
         if key not in given:
             setattr(training_args, key, value)
-    if recipe.max_train_minutes is None:
-        recipe.max_train_minutes = preset.get("max_train_minutes")
-    if data_args.max_eval_samples is None:
-        data_args.max_eval_samples = preset.get("max_eval_samples")
-    max_tokens = data_args.max_tokens or preset["max_tokens"]
-    lr_factor = recipe.lr_factor or preset["lr_factor"]
-    budget = recipe.time_budget_minutes
-    if budget is None and "max_steps" not in given:
-        budget = default_budget_minutes(preset, recipe, training_args.device.type)
-    if budget is not None and (isinstance(budget, bool) or not budget > 0):
-        raise ValueError(f"--time_budget_minutes must be a positive number of minutes, got {budget}.")
-    plan = {"budget": budget, "warmup": warmup}
+    run = new_run(model_args, data_args, recipe, preset=preset, output_dir=training_args.output_dir,
+                  max_steps=training_args.max_steps, warmup_steps=warmup, max_steps_given="max_steps" in given,
+                  device_type=training_args.device.type,
+                  resuming=bool(resolve_resume_value(training_args.resume_from_checkpoint)))
     check_distributed(training_args.world_size)
-    # Everything that can be checked is checked now, before the data, the tokenizer and the training run.
-    resuming = bool(resolve_resume_value(training_args.resume_from_checkpoint))
-    training_args.save_total_limit = check_average_last(
-        recipe.average_last, save_total_limit=training_args.save_total_limit,
-        save_total_limit_given="save_total_limit" in given,
+    training_args.save_total_limit = check_inputs(
+        run, save_total_limit=training_args.save_total_limit, save_total_limit_given="save_total_limit" in given,
         saving=getattr(training_args.save_strategy, "value", training_args.save_strategy) != "no",
-        max_steps=training_args.max_steps, save_steps=training_args.save_steps, resuming=resuming)
-    check_model_inputs(model_args.model_name_or_path, model_args.tokenizer_name, model_args.config_overrides)
-    hub_token = strip_hub_token(training_args)  # Trainer pickles its arguments into training_args.bin
-    lock = None
-    if training_args.process_index == 0:
-        check_output_dir(training_args.output_dir, flag="--output_dir")  # writable, not a file
-        lock = RunLock(training_args.output_dir).acquire()  # a second run into this folder is refused
-    try:
-        if lock is not None:
-            try:
-                check_run_output_dir(training_args.output_dir, resuming=resuming,
-                                     overwrite=recipe.overwrite_output_dir,
-                                     inputs={"--model_name_or_path": model_args.model_name_or_path,
-                                             "--tokenizer_name": model_args.tokenizer_name})
-            except CheckError:
-                lock.release(remove=True)  # refused: the folder is left as it was found
-                raise
-        # Chosen once the run is accepted: on a CPU with native bf16 it times both precisions (about 2 s).
-        plan["precision"], plan["precision_reason"] = precision_choice(training_args, recipe, model_args, preset)
-        return _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_factor, hub_token,
-                      resuming, plan)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_factor, hub_token,
-           resuming, plan: dict) -> dict:
-    run_started = time.time()
+        save_steps=training_args.save_steps)
     # --push_to_hub: the Trainer's own pushes (a commit per checkpoint, its own model card) are off; at the end the
     # run is exported as a Hub-ready folder (training/export.py: remote code, model card with the test BLEU) and that
-    # folder is uploaded.
-    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
+    # folder is uploaded. The token is kept out of the arguments Trainer pickles into training_args.bin.
+    hub_token = strip_hub_token(training_args)
+    push = HubPush(training_args.hub_model_id, hub_token, training_args.hub_private_repo) \
+        if training_args.push_to_hub else None
+    training_args.push_to_hub = False
+    with claim_output_dir(run, main_process=training_args.process_index == 0):
+        # Chosen once the run is accepted: on a CPU with native bf16 it times both precisions (about 2 s).
+        run.plan.precision, run.plan.precision_reason = precision_choice(training_args, run)
+        return _train(run, training_args, push=push)
+
+
+def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush | None) -> dict:
     set_seed(training_args.seed)
-
-    # Data -> joint BPE -> token ids (the main process first: it trains and caches the BPE, the others load it).
-    with training_args.main_process_first(desc="data and tokenizer"):
-        raw, tokenizer, tokenized = prepare_data(model_args, data_args, preset)
-
-    # Model: the preset (the paper's base/big, or the CPU size), any field overridable.
-    model = build_model(model_args, preset, tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
+    data_args, plan = run.data_args, run.plan
+    raw, tokenizer, tokenized, model = prepare(
+        run, main_process_first=training_args.main_process_first(desc="data and tokenizer"))
 
     eval_dataset = select(tokenized["validation"], data_args.max_eval_samples) if "validation" in tokenized else None
     if eval_dataset is None:
@@ -296,6 +248,9 @@ def _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_
     # Validation translations during training stop at 128 tokens (far above Multi30k's longest sentences), so that
     # an early model that has not learnt to stop costs little; the final test uses input length + 50 (§6.1).
     training_args.generation_max_length = training_args.generation_max_length or 128
+    validating = training_args.eval_strategy != "no"
+    check_positions(model.config, data_args,
+                    generation_max_length=training_args.generation_max_length if validating else None)
 
     from vaswani_hf.bleu import load_bleu_metric
 
@@ -310,21 +265,16 @@ def _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_
         refs = [[s.strip()] for s in tokenizer.batch_decode(labels, skip_special_tokens=True)]
         return {"bleu": round(bleu.compute(predictions=hyps, references=refs)["score"], 2)}
 
-    time_limit = TimeLimit(recipe.max_train_minutes)
-    callbacks = [time_limit]
-    budget = plan["budget"]
-    if budget:
-        from training.planner import BudgetPlanner
-
-        test_sentences = 0
-        if "test" in raw:
-            test_sentences = len(raw["test"]) if data_args.max_test_samples is None else min(
-                len(raw["test"]), data_args.max_test_samples)
-        callbacks.append(BudgetPlanner(
-            budget, training_args.max_steps, cooldown_fraction=preset.get("cooldown_fraction", 0.0),
-            test_sentences=test_sentences, eval_sentences=len(eval_dataset) if eval_dataset is not None else 0,
-            precision=plan["precision"], precision_reason=plan["precision_reason"],
-            seconds_per_test_sentence=preset.get("seconds_per_test_sentence", 0.15)))
+    callbacks: list[TrainerCallback] = [TimeLimit(plan.max_train_minutes)]
+    planner = None
+    if plan.budget_minutes:
+        planner = BudgetPlanner(
+            plan.budget_minutes, training_args.max_steps, cooldown_fraction=run.preset.get("cooldown_fraction", 0.0),
+            test_sentences=count_test_sentences(run, raw),
+            eval_sentences=len(eval_dataset) if eval_dataset is not None else 0,
+            precision=plan.precision, precision_reason=plan.precision_reason,
+            seconds_per_test_sentence=seconds_per_test_sentence(run))
+        callbacks.append(planner)
     trainer = PaperTrainer(
         model=model,
         args=training_args,
@@ -334,101 +284,44 @@ def _train(model_args, data_args, recipe, training_args, preset, max_tokens, lr_
         processing_class=tokenizer,
         compute_metrics=compute_metrics,
         callbacks=callbacks,
-        max_tokens=max_tokens,
+        max_tokens=plan.max_tokens,
         d_model=model.config.d_model,
-        warmup=plan["warmup"],
-        lr_factor=lr_factor,
+        warmup=plan.warmup_steps,
+        lr_factor=plan.lr_factor,
     )
 
-    start = time.perf_counter()
-    from training.checkpoints import resolve_resume_checkpoint
-
-    if model.config.position_embedding_type == "learned":  # they cannot extrapolate: refuse now, not at some batch
-        lengths = {"--max_source_length": data_args.max_source_length,
-                   "--max_target_length": data_args.max_target_length}
-        if training_args.eval_strategy != "no":
-            lengths["--generation_max_length"] = training_args.generation_max_length
-        too_long = {flag: n for flag, n in lengths.items() if n > model.config.max_position_embeddings}
-        if too_long:
-            raise ValueError(
-                f"The model has learned positions for {model.config.max_position_embeddings} tokens "
-                f"(max_position_embeddings), fewer than {', '.join(f'{k} {v}' for k, v in too_long.items())}. Lower "
-                f"these flags, raise max_position_embeddings, or use position_embedding_type=sinusoidal.")
     # "last"/"true" or a run folder: its newest *complete* checkpoint (a kill while saving leaves incomplete ones).
-    resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, run.output_dir)
+    start = time.perf_counter()
     train_result = trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - start
-    output_dir = Path(training_args.output_dir)
-    if recipe.average_last and trainer.is_world_process_zero():
-        trainer.save_model()  # the final step as a checkpoint-free copy first
-        # Only this run's checkpoints (or the resumed run's), never an earlier run's left in the folder.
-        average_current_run(output_dir, recipe.average_last, started=run_started, resuming=resuming)
-        trainer.model.load_state_dict(
-            VaswaniForConditionalGeneration.from_pretrained(output_dir).state_dict(), strict=True)
-        logger.info("Averaged the last %d checkpoints into %s", recipe.average_last, output_dir)
-    else:
-        trainer.save_model()
-    if trainer.is_world_process_zero():  # one writer: the processes may share the filesystem
-        tokenizer.save_pretrained(output_dir)
+    trainer.save_model()  # every process calls it; the main one writes
+    main_process = trainer.is_world_process_zero()
+    if main_process:  # one writer: the processes may share the filesystem
+        tokenizer.save_pretrained(run.output_dir)
+        average_into(run, trainer.model)
 
-    metrics: dict = {k: v for k, v in train_result.metrics.items()}
     state = trainer.state
     src_lengths, tgt_lengths = example_lengths(tokenized["train"])
     tokens_per_epoch = int(src_lengths.sum() + tgt_lengths.sum())
-    metrics.update({
-        "preset": model_args.preset,
-        "parameters": n_params,
-        "train_steps": state.global_step,
-        "train_epochs": round(state.epoch or 0.0, 2),
-        "train_minutes": round(train_seconds / 60, 2),
-        # Source + target tokens without padding: epochs (fractional) x tokens in one pass over the data.
-        "train_tokens_per_second": round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1),
-        "max_tokens": max_tokens,
-        "device": str(trainer.args.device),
-        "device_name": torch.cuda.get_device_name(trainer.args.device) if trainer.args.device.type == "cuda" else None,
-        "distributed_type": trainer.accelerator.distributed_type.value,
-        "world_size": training_args.world_size,
-        "mixed_precision": training_args.mixed_precision,
-        "torch_threads": torch.get_num_threads(),
-        "averaged_checkpoints": recipe.average_last,
-        "precision": plan["precision"],
-    })
-    planner = next((c for c in callbacks if type(c).__name__ == "BudgetPlanner"), None)
+    metrics = dict(train_result.metrics)
+    metrics.update(run_metrics(run, trainer.model, steps=state.global_step, epochs=state.epoch or 0.0,
+                               train_seconds=train_seconds, device=trainer.args.device,
+                               distributed_type=trainer.accelerator.distributed_type.value,
+                               world_size=training_args.world_size, mixed_precision=training_args.mixed_precision))
+    # Source + target tokens without padding: epochs (fractional) x tokens in one pass over the data.
+    metrics["train_tokens_per_second"] = round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1)
     if planner is not None and planner.plans:
         metrics["plan"] = planner.plans[-1]
-
-    # Test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways; metrics.json.
-    if trainer.is_world_process_zero():
-        finish_run(trainer.model, tokenizer, raw, data_args, recipe, metrics, output_dir,
-                   batch_size=training_args.per_device_eval_batch_size,
-                   num_beams=training_args.generation_num_beams)
-        from training.common import write_json_atomic
-        from training.planner import process_start_monotonic
-
-        metrics["command_minutes"] = round((time.monotonic() - process_start_monotonic()) / 60, 2)
-        write_json_atomic(output_dir / "metrics.json", metrics)
-        print(f"Whole command: {metrics['command_minutes']} min"
-              + (f" (time budget {planner.budget / 60:g} min)" if planner is not None else ""))
-    if push_to_hub and trainer.is_world_process_zero():
-        from training.export import export_and_push
-
-        export_and_push(output_dir, repo_id=training_args.hub_model_id, token=hub_token,
-                        private=training_args.hub_private_repo)
+    if main_process:  # test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways; metrics.json; the upload
+        finish(run, trainer.model, tokenizer, raw, metrics, batch_size=training_args.per_device_eval_batch_size,
+               num_beams=training_args.generation_num_beams, push=push)
     return metrics
 
 
 def cli() -> int:
-    """Console entry `vaswani-train`: runs `main` and exits 0 (`main` returns the metrics dict, which `sys.exit` would
-    print and turn into exit status 1)."""
-    from training.checkpoints import CheckpointError
-    from vaswani_hf.checks import CheckError
-    from vaswani_hf.data import DataError
-
-    try:
-        main()
-    except (CheckError, CheckpointError, DataError) as error:  # what was wrong and what to do; no traceback
-        raise SystemExit(f"error: {error}") from None
-    return 0
+    """Console entry `vaswani-train` (`command_cli`: exit status 0 after a run, a bad input as one line)."""
+    return command_cli(main)
 
 
 if __name__ == "__main__":

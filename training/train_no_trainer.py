@@ -1,4 +1,5 @@
-"""Train the Transformer with a plain `accelerate` loop, without Trainer (as transformers' run_translation_no_trainer.py).
+"""Train the Transformer with a plain `accelerate` loop, without Trainer (as transformers'
+run_translation_no_trainer.py).
 
     python training/train_no_trainer.py --preset tiny --max_steps 100 --output_dir /tmp/nt      # one process
     accelerate launch training/train_no_trainer.py --preset base --mixed_precision bf16          # N GPUs / nodes
@@ -7,8 +8,10 @@
     ACCELERATE_USE_CPU=true accelerate launch --config_file training/accelerate_configs/cpu_2proc.yaml \\
         training/train_no_trainer.py --preset tiny --max_steps 20      # 2 CPU processes over gloo
 
-The data, tokenizer, presets, model, schedule and test-set BLEU are those of train.py (training/common.py and
-vaswani_hf); only the loop is written here, and every flag of training/common.py works the same way.
+The minimal reference loop, as transformers' `*_no_trainer.py` examples are: the recipe written out in one loop that
+a reader can follow update by update. Set-up, checks, lock, averaging, test-set BLEU, metrics and upload are train.py's
+(the run scaffold of training/run.py); the data, tokenizer, presets, model and schedule too (training/prepare.py,
+training/presets.py and vaswani_hf), and every shared flag works the same way.
 
 - One update = `--gradient_accumulation_steps` token-budget batches (§5.1) on every process. accelerate shards the
   batches over the processes (rank r takes batches r, r + N, ...; `even_batches` repeats at most N - 1 batches from
@@ -20,14 +23,19 @@ vaswani_hf); only the loop is written here, and every flag of training/common.py
   step per update (not one per process, as accelerate would otherwise do).
 - Checkpoints `output_dir/checkpoint-<step>` (`accelerator.save_state`: optimizer, scheduler, RNG states; the model
   as `save_pretrained` writes it, so `--average_last` and `from_pretrained` read them) every `--checkpointing_steps`
-  and at the last step. Each is written as `.tmp-checkpoint-<step>` and renamed when complete, so a half-written one
-  is never resumed from. `--resume_from_checkpoint PATH|latest` continues exactly where the run stopped.
+  and at the last step. Each is written as `.tmp-checkpoint-<step>` and renamed when complete.
+  `--resume_from_checkpoint PATH|last` continues exactly where the run stopped, from the newest complete checkpoint.
 - At the end: the model and tokenizer in output_dir, optionally the average of the last N checkpoints (§6.1), test
   BLEU (beam 4, length penalty 0.6), `metrics.json`, and `trainer_state.json` with the loss curve
   (`vaswani-plot curve` reads it); `--push_to_hub` uploads the Hub-ready export (training/export.py).
 
-Data parallel only (one process per device, DDP): for FSDP use train.py with training/accelerate_configs/fsdp_big.yaml.
-There is no validation during training; use train.py for validation BLEU every --eval_steps.
+What it does not do, and train.py does:
+- plan its updates to a time budget: with a budget (--time_budget_minutes, or the cpu and gpu presets' without
+  --max_steps) it stops training by the clock, early enough for the test translation to end within the budget,
+  with the paper's schedule and no cooldown, so a budget-stopped run ends at a high learning rate;
+- validation BLEU every --eval_steps;
+- FSDP or DeepSpeed: data parallel only (one process per device, DDP); for FSDP use train.py with
+  training/accelerate_configs/fsdp_big.yaml.
 """
 
 from __future__ import annotations
@@ -48,26 +56,32 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, HfArgumentParser, set_seed
 
-from training.common import (
-    DataArguments,
-    ModelArguments,
-    RecipeArguments,
-    bound_onednn_caches,
-    build_model,
+from training.arguments import DataArguments, ModelArguments, RecipeArguments
+from training.atomic import write_json_atomic
+from training.precision import cpu_precision
+from training.prepare import token_budget_sampler
+from training.presets import resolve_preset
+from training.run import (
+    HubPush,
+    Run,
+    average_into,
     check_distributed,
-    cpu_precision,
-    finish_run,
-    keep_freed_memory,
-    prepare_data,
-    resolve_preset,
-    setup_logging,
-    token_budget_sampler,
-    write_json_atomic,
+    check_inputs,
+    check_positions,
+    claim_output_dir,
+    command_cli,
+    count_test_sentences,
+    finish,
+    new_run,
+    prepare,
+    run_metrics,
+    start_process,
+    training_deadline,
 )
-from training.guards import average_current_run, check_average_last, check_model_inputs, check_run_output_dir
+from training.run_checks import resolve_resume_checkpoint, resolve_resume_value
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.averaging import find_checkpoints
-from vaswani_hf.checks import CheckError, RunLock, check_output_dir, read_json
+from vaswani_hf.checks import CheckError, read_json
 from vaswani_hf.schedule import paper_optimizer_and_schedule
 
 logger = logging.getLogger("vaswani_hf.train_no_trainer")
@@ -78,7 +92,7 @@ TMP_PREFIX = ".tmp-"
 
 @dataclass
 class LoopArguments:
-    """The loop's own flags (everything else comes from training/common.py, as for train.py)."""
+    """The loop's own flags (the shared ones are training/arguments.py's, as for train.py)."""
 
     output_dir: str = field(default="outputs/multi30k-de-en-no-trainer", metadata={
         "help": "Model, tokenizer, checkpoints, metrics.json and trainer_state.json go here."})
@@ -98,8 +112,8 @@ class LoopArguments:
     save_total_limit: int | None = field(default=5, metadata={
         "help": "Keep at most this many checkpoints (default 5, at least --average_last); none: keep all."})
     resume_from_checkpoint: str | None = field(default=None, metadata={
-        "help": "A checkpoint-<step> folder of this script, or 'latest' (the highest step in --output_dir; "
-                "folders being written have another name, so it is complete)."})
+        "help": "A checkpoint-<step> folder of this script, a run folder holding them, or 'last'/'latest' (the "
+                "newest complete checkpoint in --output_dir)."})
     per_device_eval_batch_size: int = field(default=64, metadata={"help": "Test sentences per generate() call."})
     num_beams: int | None = field(default=None, metadata={
         "help": "Beam size for the test set (default: the model's generation config, 4)."})
@@ -119,42 +133,24 @@ def build_parser() -> HfArgumentParser:
 
 
 def check_loop_arguments(loop: LoopArguments) -> None:
-    """Raises ValueError for a flag out of range."""
-    for name in ("gradient_accumulation_steps", "logging_steps", "per_device_eval_batch_size"):
-        if getattr(loop, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(loop, name)}.")
-    for name in ("max_steps", "warmup_steps", "num_beams", "save_total_limit"):
-        if getattr(loop, name) is not None and getattr(loop, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(loop, name)}.")
-    if loop.checkpointing_steps < 0 or loop.max_grad_norm < 0 or loop.dataloader_num_workers < 0:
-        raise ValueError("--checkpointing_steps, --max_grad_norm and --dataloader_num_workers must be >= 0.")
-    if loop.mixed_precision not in (None, "no", "fp16", "bf16"):
-        raise ValueError(f"--mixed_precision must be no, fp16 or bf16, got {loop.mixed_precision!r}.")
-
-
-def resolve_checkpoint(value: str, output_dir: Path) -> Path:
-    """The folder --resume_from_checkpoint names: a path, or 'latest' (also 'last', 'true'; the highest
-    checkpoint-<step> in output_dir).
+    """Refuse a loop flag out of range.
 
     Raises:
-        FileNotFoundError: no such checkpoint, or the folder is not a complete checkpoint of this script.
+        CheckError: naming the flag.
     """
-    if value in ("latest", "last", "true"):
-        found = find_checkpoints(output_dir) if output_dir.is_dir() else []
-        if not found:
-            raise FileNotFoundError(f"--resume_from_checkpoint latest: no checkpoint-<step> folder in {output_dir}.")
-        path = found[-1]
-    else:
-        path = Path(value)
-    if not (path / STATE_NAME).is_file():
-        raise FileNotFoundError(f"--resume_from_checkpoint: {path} is not a checkpoint (no {STATE_NAME}).")
-    if not (path / "optimizer.bin").is_file():
-        raise FileNotFoundError(f"--resume_from_checkpoint: {path} has no optimizer.bin, so it is not a checkpoint of "
-                                f"train_no_trainer.py (a Trainer checkpoint resumes with train.py).")
-    return path
+    for name in ("gradient_accumulation_steps", "logging_steps", "per_device_eval_batch_size"):
+        if getattr(loop, name) < 1:
+            raise CheckError(f"--{name} must be >= 1, got {getattr(loop, name)}.")
+    for name in ("max_steps", "warmup_steps", "num_beams", "save_total_limit"):
+        if getattr(loop, name) is not None and getattr(loop, name) < 1:
+            raise CheckError(f"--{name} must be >= 1, got {getattr(loop, name)}.")
+    if loop.checkpointing_steps < 0 or loop.max_grad_norm < 0 or loop.dataloader_num_workers < 0:
+        raise CheckError("--checkpointing_steps, --max_grad_norm and --dataloader_num_workers must be >= 0.")
+    if loop.mixed_precision not in (None, "no", "fp16", "bf16"):
+        raise CheckError(f"--mixed_precision must be no, fp16 or bf16, got {loop.mixed_precision!r}.")
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, tokenizer, keep: int | None) -> Path:
+def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, tokenizer, *, keep: int | None) -> Path:
     """`accelerator.save_state` into `.tmp-checkpoint-<step>`, plus the tokenizer and the loop state, then rename it
     `checkpoint-<step>` (so a folder of that name is always complete) and delete all but the `keep` newest. Every
     process must call it (each writes its RNG state); output_dir must be on a filesystem all nodes share."""
@@ -194,84 +190,77 @@ def run(argv: list[str] | None = None):
         training part) and the trained, unwrapped model.
 
     Raises:
-        ValueError: a bad flag, or an accelerate setup this loop does not do (FSDP, DeepSpeed).
-        FileNotFoundError: --resume_from_checkpoint does not name a complete checkpoint.
-        RuntimeError: launched processes that did not join one job (see `training.common.check_distributed`).
+        CheckError: a bad flag or input, a --resume_from_checkpoint that names no complete checkpoint, or an
+            accelerate setup this loop does not do (FSDP, DeepSpeed).
+        RuntimeError: launched processes that did not join one job (see `training.run.check_distributed`).
     """
-    setup_logging()
-    keep_freed_memory()
-    bound_onednn_caches()
+    start_process()
     model_args, data_args, recipe, loop = build_parser().parse_args_into_dataclasses(args=argv)
     check_loop_arguments(loop)
     preset = resolve_preset(model_args)
-    max_steps = loop.max_steps or preset["max_steps"]
-    warmup = loop.warmup_steps or preset["warmup_steps"]
-    max_tokens = data_args.max_tokens or preset["max_tokens"]
-    lr_factor = recipe.lr_factor or preset["lr_factor"]
-    output_dir = Path(loop.output_dir)
-    # Everything that can be checked is checked now, before the data, the tokenizer and the training run.
-    resuming = bool(loop.resume_from_checkpoint)
-    check_average_last(recipe.average_last, save_total_limit=loop.save_total_limit, save_total_limit_given=False,
-                       saving=True, max_steps=max_steps, save_steps=loop.checkpointing_steps or max_steps,
-                       resuming=resuming)
-    check_model_inputs(model_args.model_name_or_path, model_args.tokenizer_name, model_args.config_overrides)
-    check_output_dir(output_dir, flag="--output_dir")
-    lock = RunLock(output_dir).acquire() if int(os.environ.get("RANK", "0")) == 0 else None
-    try:
-        if lock is not None:
-            try:
-                check_run_output_dir(output_dir, resuming=resuming, overwrite=recipe.overwrite_output_dir,
-                                     inputs={"--model_name_or_path": model_args.model_name_or_path,
-                                             "--tokenizer_name": model_args.tokenizer_name})
-            except CheckError:
-                lock.release(remove=True)  # refused: the folder is left as it was found
-                raise
-        return _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tokens, lr_factor,
-                    output_dir, resuming)
-    finally:
-        if lock is not None:
-            lock.release()
+    job = new_run(model_args, data_args, recipe, preset=preset, output_dir=loop.output_dir,
+                  max_steps=loop.max_steps or preset["max_steps"],
+                  warmup_steps=loop.warmup_steps or preset["warmup_steps"], max_steps_given=loop.max_steps is not None,
+                  device_type="cpu" if loop.cpu or not _has_accelerator_device() else "cuda",
+                  resuming=bool(resolve_resume_value(loop.resume_from_checkpoint)))
+    check_inputs(job, save_total_limit=loop.save_total_limit, save_total_limit_given=False, saving=True,
+                 save_steps=loop.checkpointing_steps or job.plan.max_steps)
+    push = HubPush(loop.hub_model_id, loop.hub_token, loop.hub_private_repo) if loop.push_to_hub else None
+    with claim_output_dir(job, main_process=int(os.environ.get("RANK", "0")) == 0):
+        return _run(job, loop, push=push)
 
 
-def _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tokens, lr_factor, output_dir,
-         resuming):
-    from accelerate import Accelerator, DistributedType
+def _accelerator(job: Run, loop: LoopArguments):
+    """The `Accelerator` of the loop, in the precision of --mixed_precision, else of `accelerate launch`, else (a
+    plain run on the CPU) of --cpu_bf16 (`cpu_precision`, as train.py); records the precision in `job.plan`."""
+    from accelerate import Accelerator
     from accelerate.utils import GradientAccumulationPlugin
 
-    run_started = time.time()
-    accumulation = loop.gradient_accumulation_steps
-    mixed_precision = loop.mixed_precision
-    if (mixed_precision is None and "ACCELERATE_MIXED_PRECISION" not in os.environ
-            and (loop.cpu or not _has_accelerator_device())):
-        bf16, reason = cpu_precision(recipe, model_args, preset)  # as train.py: measured where bf16 is native
-        mixed_precision = "bf16" if bf16 else None
-        logger.info("Precision: %s (%s).", "bf16 autocast" if bf16 else "fp32", reason)
+    mixed_precision, reason = loop.mixed_precision, f"--mixed_precision {loop.mixed_precision}"
+    if mixed_precision is None:
+        reason = f"ACCELERATE_MIXED_PRECISION={os.environ.get('ACCELERATE_MIXED_PRECISION')}"
+        if "ACCELERATE_MIXED_PRECISION" not in os.environ:
+            reason = "no --mixed_precision given"
+            if loop.cpu or not _has_accelerator_device():
+                bf16, reason = cpu_precision(job.recipe, job.model_args, job.preset)  # measured where bf16 is native
+                mixed_precision = "bf16" if bf16 else None
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         cpu=loop.cpu,
         # Updates are formed below from exactly `accumulation` batches, across epoch ends, so that accelerate's
         # count of micro-steps (when to all-reduce, when the optimizer steps) never drifts from ours.
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=loop.gradient_accumulation_steps,
+                                                                sync_with_dataloader=False),
         # One schedule step per update: accelerate would otherwise step it once per process.
         step_scheduler_with_optimizer=False,
     )
+    job.plan.precision = {"bf16": "bf16 autocast", "fp16": "fp16 autocast"}.get(accelerator.mixed_precision, "fp32")
+    job.plan.precision_reason = reason
+    logger.info("Precision: %s (%s).", job.plan.precision, reason)
+    return accelerator
+
+
+def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
+    from accelerate import DistributedType
+
+    plan, output_dir, accumulation = job.plan, job.output_dir, loop.gradient_accumulation_steps
+    accelerator = _accelerator(job, loop)
     check_distributed(accelerator.num_processes)
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED,
                                         DistributedType.MEGATRON_LM):
-        raise ValueError(f"train_no_trainer.py runs data parallel only, not {accelerator.distributed_type}; use "
+        raise CheckError(f"train_no_trainer.py runs data parallel only, not {accelerator.distributed_type}; use "
                          f"train.py (e.g. with training/accelerate_configs/fsdp_big.yaml).")
     set_seed(loop.seed)
 
-    with accelerator.main_process_first():  # the main process trains and caches the BPE, the others load it
-        raw, tokenizer, tokenized = prepare_data(model_args, data_args, preset)
-    model = build_model(model_args, preset, tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
+    raw, tokenizer, tokenized, model = prepare(job, main_process_first=accelerator.main_process_first())
+    check_positions(model.config, job.data_args)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
-    sampler = token_budget_sampler(tokenized["train"], max_tokens, shuffle=True, seed=loop.seed)
+    sampler = token_budget_sampler(tokenized["train"], plan.max_tokens, shuffle=True, seed=loop.seed)
     # Its own generator, so that starting an epoch draws nothing from the global RNG (dropout): resuming is exact.
     loader = DataLoader(tokenized["train"], batch_sampler=sampler, collate_fn=collator,
                         num_workers=loop.dataloader_num_workers, generator=torch.Generator())
-    optimizer, scheduler = paper_optimizer_and_schedule(model.parameters(), model.config.d_model, warmup, lr_factor)
+    optimizer, scheduler = paper_optimizer_and_schedule(model.parameters(), model.config.d_model, plan.warmup_steps,
+                                                        plan.lr_factor)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     unwrapped_config = accelerator.unwrap_model(model).config
 
@@ -290,10 +279,11 @@ def _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tok
     accelerator.register_load_state_pre_hook(load_model_hook)
 
     completed, log_history = 0, []
-    if loop.resume_from_checkpoint:
-        checkpoint = resolve_checkpoint(loop.resume_from_checkpoint, output_dir)
-        accelerator.load_state(str(checkpoint))
-        saved_state = read_json(checkpoint / STATE_NAME)
+    # "last"/"latest" or a run folder: its newest complete checkpoint of this loop.
+    checkpoint = resolve_resume_checkpoint(loop.resume_from_checkpoint, output_dir, layout="accelerate")
+    if checkpoint is not None:
+        accelerator.load_state(checkpoint)
+        saved_state = read_json(Path(checkpoint) / STATE_NAME)
         completed, log_history = saved_state["global_step"], saved_state["log_history"]
         logger.info("Resumed from %s at update %d", checkpoint, completed)
 
@@ -314,13 +304,10 @@ def _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tok
             epoch, skip = epoch + 1, 0
 
     batches = batch_stream(completed * accumulation)
-    minutes = recipe.max_train_minutes if recipe.max_train_minutes is not None else preset.get("max_train_minutes")
-    if minutes is None and preset.get("time_budget_minutes") and not loop.max_steps:
-        # This loop has no planner (train.py's BudgetPlanner): it stops by the clock 3 minutes before the preset's
-        # budget, leaving that for the test translation, with the paper's schedule (no cooldown).
-        minutes = preset["time_budget_minutes"] - 3
-    deadline = time.monotonic() + minutes * 60 if minutes else None
-    keep = max(loop.save_total_limit, recipe.average_last) if loop.save_total_limit else None
+    max_steps = plan.max_steps
+    # No planner here: with a time budget, training stops by the clock, early enough for the test translation.
+    deadline = training_deadline(job, test_sentences=count_test_sentences(job, raw))
+    keep = max(loop.save_total_limit, job.recipe.average_last) if loop.save_total_limit else None
     target_tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
     start = time.perf_counter()
     model.train()
@@ -365,68 +352,39 @@ def _run(model_args, data_args, recipe, loop, preset, max_steps, warmup, max_tok
         if stop or completed == max_steps or (loop.checkpointing_steps and completed % loop.checkpointing_steps == 0):
             save_checkpoint(accelerator, output_dir, completed,
                             {"global_step": completed, "max_steps": max_steps, "log_history": log_history},
-                            tokenizer, keep)
+                            tokenizer, keep=keep)
         if stop:
             break
     batches.close()
     train_seconds = time.perf_counter() - start
 
     unwrapped = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
-    metrics = {
-        "train_loss": log_history[-1]["loss"] if log_history else math.nan,
-        "preset": model_args.preset,
-        "parameters": n_params,
-        "train_steps": completed,
-        "train_epochs": round(completed * accumulation / batches_per_epoch, 2),
-        "train_minutes": round(train_seconds / 60, 2),
-        "train_target_tokens": int(target_tokens.item()),  # labelled target tokens, all processes
-        "max_tokens": max_tokens,
-        "num_processes": accelerator.num_processes,
-        "gradient_accumulation_steps": accumulation,
-        "device": str(accelerator.device),
-        "distributed_type": accelerator.distributed_type.value,
-        "mixed_precision": accelerator.mixed_precision,
-        "torch_threads": torch.get_num_threads(),
-        "averaged_checkpoints": recipe.average_last,
-    }
+    metrics = {"train_loss": log_history[-1]["loss"] if log_history else math.nan}
+    metrics.update(run_metrics(job, unwrapped, steps=completed, epochs=completed * accumulation / batches_per_epoch,
+                               train_seconds=train_seconds, device=accelerator.device,
+                               distributed_type=accelerator.distributed_type.value,
+                               world_size=accelerator.num_processes, mixed_precision=accelerator.mixed_precision))
+    metrics["train_target_tokens"] = int(target_tokens.item())  # labelled target tokens, all processes
+    metrics["gradient_accumulation_steps"] = accumulation
     if accelerator.is_main_process:
         unwrapped.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
         write_json_atomic(output_dir / STATE_NAME,
                           {"global_step": completed, "max_steps": max_steps, "log_history": log_history})
-        if recipe.average_last:
-            # Only this run's checkpoints (or the resumed run's), never an earlier run's left in the folder.
-            average_current_run(output_dir, recipe.average_last, started=run_started, resuming=resuming)
-            unwrapped.load_state_dict(VaswaniForConditionalGeneration.from_pretrained(output_dir).state_dict())
-            logger.info("Averaged the last %d checkpoints into %s", recipe.average_last, output_dir)
-        finish_run(unwrapped, tokenizer, raw, data_args, recipe, metrics, output_dir,
-                   batch_size=loop.per_device_eval_batch_size,
-                   num_beams=loop.num_beams or unwrapped.generation_config.num_beams)
-        if loop.push_to_hub:
-            from training.export import export_and_push
-
-            export_and_push(output_dir, repo_id=loop.hub_model_id, token=loop.hub_token,
-                            private=loop.hub_private_repo)
+        average_into(job, unwrapped)
+        finish(job, unwrapped, tokenizer, raw, metrics, batch_size=loop.per_device_eval_batch_size,
+               num_beams=loop.num_beams or unwrapped.generation_config.num_beams, push=push)
     return metrics, unwrapped
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Console entry `vaswani-train-no-trainer`: `run(argv)`, returning the metrics."""
+    """`run(argv)`, returning the metrics."""
     return run(argv)[0]
 
 
 def cli() -> int:
-    """Console entry `vaswani-train-no-trainer`: runs `main` and exits 0 (`main` returns the metrics dict, which
-    `sys.exit` would print and turn into exit status 1)."""
-    from training.checkpoints import CheckpointError
-    from vaswani_hf.checks import CheckError
-    from vaswani_hf.data import DataError
-
-    try:
-        main()
-    except (CheckError, CheckpointError, DataError) as error:  # what was wrong and what to do; no traceback
-        raise SystemExit(f"error: {error}") from None
-    return 0
+    """Console entry `vaswani-train-no-trainer` (`command_cli`: exit status 0 after a run, a bad input as one line)."""
+    return command_cli(main)
 
 
 if __name__ == "__main__":

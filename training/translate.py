@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
-    from training.common import write_lines_atomic
+    from training.atomic import write_lines_atomic
     from vaswani_hf.inference import translate_sentences
 
     if args.batch_size < 1:
@@ -77,9 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.length_penalty is not None and not math.isfinite(args.length_penalty):
         raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
     model_dir = Path(args.model)
-    from training.checkpoints import CheckpointError, check_model_folder
-    from training.guards import check_device
-    from vaswani_hf.checks import CheckError, check_output_file
+    from training.run_checks import check_device
+    from vaswani_hf.checks import CheckError, check_model_folder, check_output_file
 
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer
         check_model_folder(model_dir)
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             if output.parent == model_dir.resolve() and output.exists():
                 raise CheckError(f"--output {args.output} is a file of the model folder {model_dir}; choose another "
                                  f"--output.")
-    except (CheckpointError, CheckError) as error:
+    except CheckError as error:
         raise SystemExit(str(error)) from None
     if args.input == "-":
         stdin = getattr(sys.stdin, "buffer", None)

@@ -1,0 +1,93 @@
+"""The flags both training commands share, as dataclasses for `HfArgumentParser`: the model (`ModelArguments`), the
+data (`DataArguments`) and the recipe (`RecipeArguments`). train.py adds `Seq2SeqTrainingArguments`, train_no_trainer.py
+its `LoopArguments`. Values out of range are refused when the flags are parsed (`CheckError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vaswani_hf.checks import CheckError
+
+
+@dataclass
+class DataArguments:
+    """Where the parallel text comes from and how it is cut into batches."""
+
+    source_lang: str = field(default="de", metadata={"help": "Source language code (default de)."})
+    target_lang: str = field(default="en", metadata={"help": "Target language code (default en)."})
+    train_file: str | None = field(default=None, metadata={
+        "help": "Training data: a prefix of parallel files PREFIX.{src,tgt}[.gz] or a JSON-lines file of "
+                "{\"translation\": {...}} records. Default: the shipped Multi30k."})
+    validation_file: str | None = field(default=None, metadata={"help": "Validation data, as --train_file."})
+    test_file: str | None = field(default=None, metadata={"help": "Test data, as --train_file."})
+    dataset_name: str | None = field(default=None, metadata={
+        "help": "A Hub dataset name (needs the network), e.g. wmt14 with --dataset_config_name de-en."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Config of --dataset_name."})
+    empty_lines: str = field(default="skip", metadata={
+        "help": "Pairs with an empty side: skip (counted and reported), error, or keep."})
+    max_source_length: int = field(default=256, metadata={"help": "Truncate source sentences to this many tokens."})
+    max_target_length: int = field(default=256, metadata={"help": "Truncate target sentences to this many tokens."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training pairs."})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "Validation pairs scored during training (default: the preset's)."})
+    max_test_samples: int | None = field(default=None, metadata={"help": "Use only the first N test pairs."})
+    max_tokens: int | None = field(default=None, metadata={
+        "help": "Token budget per batch per device, padded tokens counted (fairseq --max-tokens). Default: the "
+                "preset's."})
+
+    def __post_init__(self):
+        # Refused when the flags are parsed, not after an hour of training; 0 is not "all".
+        for name in ("max_source_length", "max_target_length", "max_train_samples", "max_eval_samples",
+                     "max_test_samples", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise CheckError(f"--{name} must be >= 1 (leave the flag out for the default), got {value}.")
+
+
+@dataclass
+class ModelArguments:
+    """Which model and tokenizer to train."""
+
+    preset: str = field(default="cpu", metadata={
+        "help": "cpu (default run), base or big (the paper's), gpu (base size on Multi30k in 6 minutes on one GPU), "
+                "or tiny."})
+    config_overrides: str | None = field(default=None, metadata={
+        "help": "Override config fields: 'd_model=512,encoder_layers=6,dropout=0.2'."})
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "Continue from a saved model folder instead of a fresh preset model."})
+    tokenizer_name: str | None = field(default=None, metadata={
+        "help": "A saved tokenizer folder to use instead of training the joint BPE."})
+    vocab_size: int | None = field(default=None, metadata={
+        "help": "Joint BPE vocabulary size (default: the preset's; 8000 fits Multi30k)."})
+    cache_dir: str | None = field(default=None, metadata={
+        "help": "Where trained tokenizers are cached (default ~/.cache/vaswani_hf)."})
+
+
+@dataclass
+class RecipeArguments:
+    """The paper's optimizer schedule (§5.3) and the end-of-run steps."""
+
+    lr_factor: float | None = field(default=None, metadata={
+        "help": "lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (§5.3). Default: the preset's."})
+    average_last: int = field(default=0, metadata={
+        "help": "At the end, average the last N checkpoints (§6.1: 5 for base, 20 for big) into the output model."})
+    max_train_minutes: float | None = field(default=None, metadata={
+        "help": "Stop training after this many minutes (checkpoint saved), then evaluate as usual."})
+    time_budget_minutes: float | None = field(default=None, metadata={
+        "help": "Plan the number of steps from the measured speed of the first ones so that the whole command "
+                "(start to test BLEU) ends within this many minutes; the schedule ends with a linear lr cooldown. "
+                "Default: the preset's (cpu: 26; 18 on a CPU with native bf16 unless --cpu_bf16 no), unless "
+                "--max_steps is given."})
+    num_samples: int = field(default=5, metadata={"help": "Sample translations printed at the end."})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start a new run in an --output_dir that holds an earlier run: its checkpoint-<step> folders are "
+                "removed, its model and metrics replaced. Without it such a folder is refused."})
+    cpu_bf16: str = field(default="auto", metadata={
+        "help": "Training on a CPU: auto (bf16 autocast where the CPU computes bf16 natively, AVX512-BF16 or AMX, "
+                "and a training step measured at the start is at least 1.15x faster in bf16 than in fp32), yes, "
+                "or no (fp32)."})
+
+    def __post_init__(self):
+        if self.cpu_bf16 not in ("auto", "yes", "no"):  # refused when the flags are parsed
+            raise CheckError(f"--cpu_bf16 must be auto, yes or no, got {self.cpu_bf16!r}.")

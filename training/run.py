@@ -1,0 +1,385 @@
+"""The run scaffold both training loops stand on (train.py on Seq2SeqTrainer, train_no_trainer.py on accelerate): what
+a run does before and after its training steps, written once.
+
+A loop calls, in order:
+
+1. `start_process()`: log lines with times; the CPU settings of `training/cpu_tuning.py`.
+2. `new_run(...)`: the preset's values for every flag the command line does not give, resolved into a `RunPlan`
+   (updates, warmup, batch tokens, lr factor, time budget), held with the flags in a `Run`.
+3. `check_inputs(run, ...)`: `--average_last` against the checkpoints the run keeps, the model and tokenizer it starts
+   from; before any data is read.
+4. `with claim_output_dir(run, main_process=...)`: `--output_dir` is writable, locked against a second run, and holds
+   no other run.
+5. `prepare(run, ...)`: data -> joint BPE -> token ids, and the model; `check_positions`: learned positions cover the
+   lengths the run feeds them.
+6. its own training steps.
+7. `average_into(run, model)` once the final model is saved, `run_metrics(...)` and `finish(...)`: the test set's
+   BLEU, `metrics.json`, and the Hub upload.
+
+`command_cli(main)` is both console entries: exit status 0 after a run, a `CheckError` as one line and status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.arguments import DataArguments, ModelArguments, RecipeArguments
+from training.atomic import write_json_atomic, write_lines_atomic
+from training.cpu_tuning import bound_onednn_caches, keep_freed_memory
+from training.planner import process_start_monotonic, seconds_after_training
+from training.precision import cpu_has_native_bf16
+from training.prepare import build_model, dataset_label, is_multi30k, prepare_data, select
+from training.run_checks import average_current_run, check_average_last, check_model_inputs, check_run_output_dir
+from vaswani_hf.checks import CheckError, RunLock, check_output_dir
+
+logger = logging.getLogger("vaswani_hf.training")
+
+# The planner's guess for the final test translation until a validation run has timed decoding (a CPU's; the gpu
+# preset sets its own).
+SECONDS_PER_TEST_SENTENCE = 0.15
+
+
+def start_process() -> None:
+    """What a training command does first: log lines with times, glibc's malloc keeps freed memory
+    (`keep_freed_memory`) and torch's oneDNN caches stay bounded (`bound_onednn_caches`, before the first product)."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO)
+    keep_freed_memory()
+    bound_onednn_caches()
+
+
+def check_distributed(num_processes: int) -> None:
+    """Refuse a launch whose processes did not join one job.
+
+    `torchrun` or `accelerate launch` with several processes on a machine without GPUs, but without the CPU switch
+    (`--use_cpu` for train.py, `--cpu` for train_no_trainer.py, or the environment variable ACCELERATE_USE_CPU=true),
+    leaves every process training alone on all the data and writing the same output_dir.
+
+    Raises:
+        RuntimeError: the launcher's WORLD_SIZE differs from the `num_processes` that accelerate set up.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and num_processes != world_size:
+        raise RuntimeError(
+            f"Launched as {world_size} processes (WORLD_SIZE) but accelerate set up {num_processes}: the processes "
+            f"would each train alone. Without GPUs, launch with ACCELERATE_USE_CPU=true (or pass --use_cpu to "
+            f"train.py, --cpu to train_no_trainer.py) so that they join over gloo.")
+
+
+def given_flags(parser, argv: Sequence[str] | None) -> set[str]:
+    """The option names (dests, underscored) given on the command line, whatever the spelling: `--max-steps 3`,
+    `--max_steps=3` and `--no_x` all count. `parser.allow_abbrev` must be False (abbreviations would go uncounted)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    actions = parser._option_string_actions  # argparse's own table of every spelling -> action
+    given = set()
+    for token in argv:
+        if not token.startswith("--"):
+            continue
+        action = actions.get(token.split("=", 1)[0])
+        if action is not None:
+            given.add(action.dest)
+        else:
+            given.add(token.split("=", 1)[0].lstrip("-").replace("-", "_"))
+    return given
+
+
+def strip_hub_token(args) -> str | None:
+    """Take the Hub token out of an arguments object (Trainer pickles its arguments into training_args.bin of the run
+    and of every checkpoint) and return it, to be passed only to the upload call."""
+    token = getattr(args, "hub_token", None)
+    if token is not None:
+        args.hub_token = None
+    return token
+
+
+@dataclass
+class RunPlan:
+    """What a training run does, resolved once from its flags and its preset before any work.
+
+    Attributes:
+        max_steps: parameter updates to train (fewer where the time budget or the clock stops the run).
+        warmup_steps: warmup updates of the schedule (§5.3, Eq. 3), at least 1.
+        max_tokens: token budget of one batch on one device, padding included (§5.1).
+        lr_factor: the factor of Eq. 3.
+        budget_minutes: the whole command's time budget, start to test BLEU (None: none).
+        max_train_minutes: a plain clock stop for training (None: none).
+        resuming: the run continues a checkpoint (`--resume_from_checkpoint`).
+        precision, precision_reason: what the run computes in ("fp32", "bf16 autocast", "fp16 autocast") and why.
+        started: `time.time()` when the run was planned; averaging reads only checkpoints saved since.
+    """
+
+    max_steps: int
+    warmup_steps: int
+    max_tokens: int
+    lr_factor: float
+    budget_minutes: float | None = None
+    max_train_minutes: float | None = None
+    resuming: bool = False
+    precision: str = "fp32"
+    precision_reason: str = ""
+    started: float = field(default_factory=time.time)
+
+
+@dataclass
+class Run:
+    """A training command's shared flags, its preset and its plan: what every step of the scaffold reads."""
+
+    model_args: ModelArguments
+    data_args: DataArguments
+    recipe: RecipeArguments
+    preset: dict[str, Any]
+    plan: RunPlan
+    output_dir: Path
+
+
+@dataclass
+class HubPush:
+    """Where `--push_to_hub` uploads the run's Hub-ready export at the end (`training/export.py`)."""
+
+    repo_id: str | None
+    token: str | None = None
+    private: bool | None = None
+
+
+def default_budget_minutes(preset: dict[str, Any], recipe: RecipeArguments, device_type: str) -> float | None:
+    """The preset's time budget for the whole command: `time_budget_minutes_native_bf16` on a CPU with native bf16
+    (whichever precision `cpu_precision` then finds faster there) unless --cpu_bf16 no, else `time_budget_minutes`;
+    None where the preset has none (base, big, tiny)."""
+    native = device_type == "cpu" and recipe.cpu_bf16 != "no" and cpu_has_native_bf16()
+    return preset.get("time_budget_minutes_native_bf16" if native else "time_budget_minutes")
+
+
+def new_run(model_args: ModelArguments, data_args: DataArguments, recipe: RecipeArguments, *,
+            preset: dict[str, Any], output_dir: str | Path, max_steps: int, warmup_steps: int,
+            max_steps_given: bool, device_type: str, resuming: bool) -> Run:
+    """The `Run` of a command whose loop has settled `max_steps` and `warmup_steps`: batch tokens, lr factor, clock
+    stop and validation sentences from the flags or else the preset; the time budget from --time_budget_minutes, else
+    the preset's (`default_budget_minutes`) unless --max_steps is given.
+
+    Raises:
+        CheckError: a time budget that is not a positive number of minutes.
+    """
+    budget = recipe.time_budget_minutes
+    if budget is None and not max_steps_given:
+        budget = default_budget_minutes(preset, recipe, device_type)
+    if budget is not None and (isinstance(budget, bool) or not budget > 0):
+        raise CheckError(f"--time_budget_minutes must be a positive number of minutes, got {budget}.")
+    if data_args.max_eval_samples is None:
+        data_args.max_eval_samples = preset.get("max_eval_samples")
+    max_train_minutes = recipe.max_train_minutes
+    if max_train_minutes is None:
+        max_train_minutes = preset.get("max_train_minutes")
+    plan = RunPlan(max_steps=max_steps, warmup_steps=warmup_steps,
+                   max_tokens=data_args.max_tokens or preset["max_tokens"],
+                   lr_factor=recipe.lr_factor or preset["lr_factor"], budget_minutes=budget,
+                   max_train_minutes=max_train_minutes, resuming=resuming)
+    return Run(model_args, data_args, recipe, preset, plan, Path(output_dir))
+
+
+def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_given: bool, saving: bool,
+                 save_steps: int | float | None) -> int | None:
+    """Everything that can be checked before the data, the tokenizer and the training: `--average_last` against the
+    checkpoints the run keeps (`check_average_last`), and the model and tokenizer it starts from
+    (`check_model_inputs`).
+
+    Returns:
+        the `save_total_limit` to use (a default below `--average_last` is raised to it).
+
+    Raises:
+        CheckError: naming the flag and what to do.
+    """
+    limit = check_average_last(run.recipe.average_last, save_total_limit=save_total_limit,
+                               save_total_limit_given=save_total_limit_given, saving=saving,
+                               max_steps=run.plan.max_steps, save_steps=save_steps, resuming=run.plan.resuming)
+    check_model_inputs(run.model_args.model_name_or_path, run.model_args.tokenizer_name,
+                       run.model_args.config_overrides)
+    return limit
+
+
+@contextmanager
+def claim_output_dir(run: Run, *, main_process: bool) -> Iterator[None]:
+    """Hold `--output_dir` for the run: on the main process it must be writable, is locked (`RunLock`: a second run
+    into it is refused at once) and must hold no other run (`check_run_output_dir`). A refused run leaves the folder
+    as it found it. The other processes only wait for the main one at their first collective step.
+
+    Raises:
+        CheckError: a folder that cannot be written, is in use, or holds another run.
+    """
+    lock = None
+    if main_process:
+        check_output_dir(run.output_dir, flag="--output_dir")
+        lock = RunLock(run.output_dir).acquire()
+        try:
+            check_run_output_dir(run.output_dir, resuming=run.plan.resuming, overwrite=run.recipe.overwrite_output_dir,
+                                 inputs={"--model_name_or_path": run.model_args.model_name_or_path,
+                                         "--tokenizer_name": run.model_args.tokenizer_name})
+        except CheckError:
+            lock.release(remove=True)
+            raise
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def prepare(run: Run, *, main_process_first: AbstractContextManager | None = None):
+    """Data -> joint BPE -> token ids (`prepare_data`, inside `main_process_first`: the main process trains and caches
+    the BPE, the others load it), then the model of the preset or of --model_name_or_path (`build_model`).
+
+    Returns:
+        `(raw, tokenizer, tokenized, model)`: the `DatasetDict` of translation records, the tokenizer, the
+        `DatasetDict` of token ids, and the model.
+    """
+    with main_process_first or nullcontext():
+        raw, tokenizer, tokenized = prepare_data(run.model_args, run.data_args, run.preset)
+    model = build_model(run.model_args, run.preset, tokenizer)
+    return raw, tokenizer, tokenized, model
+
+
+def check_positions(config, data_args: DataArguments, *, generation_max_length: int | None = None) -> None:
+    """Learned positions (§3.5's alternative) cannot extrapolate: refuse, before training, lengths their table does not
+    cover, rather than fail at the first long batch.
+
+    Raises:
+        CheckError: --max_source_length, --max_target_length or `generation_max_length` (validation decoding) above
+            the config's `max_position_embeddings`.
+    """
+    if config.position_embedding_type != "learned":
+        return
+    lengths = {"--max_source_length": data_args.max_source_length, "--max_target_length": data_args.max_target_length}
+    if generation_max_length is not None:
+        lengths["--generation_max_length"] = generation_max_length
+    too_long = {flag: n for flag, n in lengths.items() if n > config.max_position_embeddings}
+    if too_long:
+        raise CheckError(
+            f"The model has learned positions for {config.max_position_embeddings} tokens (max_position_embeddings), "
+            f"fewer than {', '.join(f'{k} {v}' for k, v in too_long.items())}. Lower these flags, raise "
+            f"max_position_embeddings, or use position_embedding_type=sinusoidal.")
+
+
+def count_test_sentences(run: Run, raw) -> int:
+    """Sentences the final test translation decodes: the test split, at most --max_test_samples; 0 without one."""
+    if "test" not in raw:
+        return 0
+    limit = run.data_args.max_test_samples
+    return len(raw["test"]) if limit is None else min(len(raw["test"]), limit)
+
+
+def seconds_per_test_sentence(run: Run) -> float:
+    """The guess for one test sentence's decoding time until a validation run measures it (the preset's, if any)."""
+    return run.preset.get("seconds_per_test_sentence", SECONDS_PER_TEST_SENTENCE)
+
+
+def training_deadline(run: Run, *, test_sentences: int) -> float | None:
+    """The `time.monotonic()` at which a loop without the planner stops training: --max_train_minutes from now, or the
+    whole command's time budget (counted from the process start) less the estimated time after training
+    (`seconds_after_training`), whichever comes first; None where neither is set."""
+    deadlines = []
+    if run.plan.max_train_minutes:
+        deadlines.append(time.monotonic() + run.plan.max_train_minutes * 60)
+    if run.plan.budget_minutes:
+        after = seconds_after_training(test_sentences, seconds_per_test_sentence(run))
+        deadlines.append(process_start_monotonic() + run.plan.budget_minutes * 60 - after)
+    return min(deadlines) if deadlines else None
+
+
+def average_into(run: Run, model) -> None:
+    """With `--average_last N`, on the main process once the final model is saved in --output_dir: average this run's
+    last N checkpoints into --output_dir (§6.1; never an earlier run's) and load the average into `model`, which the
+    test set then scores.
+
+    Raises:
+        CheckError: this run saved fewer than N checkpoints.
+    """
+    n = run.recipe.average_last
+    if not n:
+        return
+    from vaswani_hf import VaswaniForConditionalGeneration
+
+    average_current_run(run.output_dir, n, started=run.plan.started, resuming=run.plan.resuming)
+    model.load_state_dict(VaswaniForConditionalGeneration.from_pretrained(run.output_dir).state_dict(), strict=True)
+    logger.info("Averaged the last %d checkpoints into %s", n, run.output_dir)
+
+
+def run_metrics(run: Run, model, *, steps: int, epochs: float, train_seconds: float, device: torch.device,
+                distributed_type: str, world_size: int, mixed_precision: str | None) -> dict[str, Any]:
+    """The metrics both loops record for a run (metrics.json); each loop adds its own (loss, tokens, plan)."""
+    return {
+        "preset": run.model_args.preset,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_steps": steps,
+        "train_epochs": round(epochs, 2),
+        "train_minutes": round(train_seconds / 60, 2),
+        "max_tokens": run.plan.max_tokens,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "distributed_type": distributed_type,
+        "world_size": world_size,
+        "mixed_precision": mixed_precision,
+        "precision": run.plan.precision,
+        "torch_threads": torch.get_num_threads(),
+        "averaged_checkpoints": run.recipe.average_last,
+    }
+
+
+def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_size: int, num_beams: int,
+           push: HubPush | None = None) -> dict[str, Any]:
+    """The end of a training run, on the main process only, once the final (averaged) model and its tokenizer are in
+    --output_dir: translate and score the test split if the data has one (`evaluate_test_set`: beam search, §6.1;
+    BLEU two ways), print --num_samples sample translations and the scores, write `test_translations.txt` and
+    `metrics.json` (atomically; with the whole command's minutes), and with `push` upload the Hub-ready export.
+
+    `metrics` is updated in place and returned, with `source_lang`, `target_lang` and `dataset` added (the model card
+    of `training/export.py` reads them).
+    """
+    from training.evaluate_bleu import evaluate_test_set
+
+    data_args, output_dir = run.data_args, run.output_dir
+    metrics.update(source_lang=data_args.source_lang, target_lang=data_args.target_lang,
+                   dataset=dataset_label(data_args))
+    if "test" in raw:
+        test = select(raw["test"], data_args.max_test_samples)
+        result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=batch_size, num_beams=num_beams,
+                                   is_multi30k=is_multi30k(data_args))
+        metrics.update(result["metrics"])
+        write_lines_atomic(output_dir / "test_translations.txt", result["hypotheses"])
+        print("\nSample translations (test set):")
+        samples = list(zip(result["sources"], result["hypotheses"], result["references"]))
+        for source, hypothesis, reference in samples[: run.recipe.num_samples]:
+            print(f"  source:    {source}\n  output:    {hypothesis}\n  reference: {reference}\n")
+    metrics["command_minutes"] = round((time.monotonic() - process_start_monotonic()) / 60, 2)
+    write_json_atomic(output_dir / "metrics.json", metrics)
+    print(f"Test BLEU (sacreBLEU, detokenized): {metrics.get('test_bleu')}   "
+          f"{metrics.get('test_bleu_signature', '')}")
+    if "test_tok_bleu" in metrics:
+        print(f"Test BLEU (lowercased, tokenized, as Multi30k papers report): {metrics['test_tok_bleu']}")
+    budget = run.plan.budget_minutes
+    print(f"Model, tokenizer and metrics.json written to {output_dir}")
+    print(f"Whole command: {metrics['command_minutes']} min" + (f" (time budget {budget:g} min)" if budget else ""))
+    if push is not None:
+        from training.export import export_and_push
+
+        export_and_push(output_dir, repo_id=push.repo_id, token=push.token, private=push.private)
+    return metrics
+
+
+def command_cli(main: Callable[[], Any]) -> int:
+    """A training command's console entry: runs `main` and returns exit status 0 (`main` returns the metrics dict,
+    which `sys.exit` would print and turn into status 1); a `CheckError` (what was wrong and what to do) exits with
+    its message and status 1, without a traceback."""
+    try:
+        main()
+    except CheckError as error:
+        raise SystemExit(f"error: {error}") from None
+    return 0
