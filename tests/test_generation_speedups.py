@@ -5,7 +5,8 @@
 - `_reorder_cache` follows the beams in the self-attention cache only;
 - the self-attention cache is `VaswaniSelfAttentionCache` (written in place, no concatenation), not `DynamicCache`;
 - `logits_to_keep` projects only the positions asked for;
-- `torch.compile` of the forward matches eager.
+- `torch.compile` of the forward matches eager;
+- the private GenerationMixin hooks overridden exist in the installed transformers, and each says why.
 """
 
 
@@ -234,3 +235,25 @@ def test_beam_search_leaves_finished_sentences_out_and_returns_the_same(kwargs):
     with_scores = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True,
                                  output_scores=True, **kwargs)
     assert torch.equal(with_scores.sequences, everything)  # returning scores: every step on the whole batch
+
+
+def test_the_private_generation_hooks_overridden_are_transformers_own_and_say_why():
+    """An override of a GenerationMixin method that transformers renamed or dropped would silently stop running: every
+    private method of `VaswaniGenerationMixin` that is not its own helper is one that the installed GenerationMixin
+    defines (or, for `_reorder_cache`, calls), and each says why the public API cannot do its work."""
+    import inspect
+
+    from vaswani_hf.generation_vaswani import VaswaniGenerationMixin
+
+    private = {name for name, value in vars(VaswaniGenerationMixin).items()
+               if name.startswith("_") and not name.startswith("__") and callable(value)}
+    helpers = {"_length_limit_for", "_finished_sentences_step"}
+    hooks = private - helpers
+    assert hooks == {"_expand_inputs_for_generation", "_prepare_cache_for_generation", "_beam_search",
+                     "_update_finished_beams", "_reorder_cache"}
+    assert not helpers & set(dir(GenerationMixin))  # our helpers override nothing
+    for name in hooks - {"_reorder_cache"}:
+        assert name in dir(GenerationMixin), name
+    assert "self._reorder_cache(" in inspect.getsource(GenerationMixin._beam_search)
+    for name in hooks:
+        assert "# Private hook: " in inspect.getsource(getattr(VaswaniGenerationMixin, name)), name
