@@ -783,9 +783,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--no-mfu", action="store_true",
                      help="skip the GEMM-peak measurement and the training MFU at base and cpu-preset dims")
     run.add_argument("--malloc", choices=("keep", "default"), default="keep",
-                     help="keep: glibc's malloc keeps freed memory for reuse (training.cpu_tuning.keep_freed_memory, "
-                          "as vaswani-train does), for both models' speed measurements; default: glibc's defaults. The "
-                          "memory measurements run in fresh processes with their own setting")
+                     help="keep: glibc's malloc keeps freed memory for reuse "
+                          "(vaswani_training.cpu_tuning.keep_freed_memory, as vaswani-train does), for both models' "
+                          "speed measurements; default: glibc's defaults. The memory measurements run in fresh "
+                          "processes with their own setting")
     run.add_argument("--compile", action="store_true",
                      help="torch.compile both models' forward for the training measurements (generate() stays eager)")
     run.add_argument("--training-only", action="store_true",
@@ -838,7 +839,7 @@ def main(argv=None) -> dict | None:
         return None
     kept = False
     if args.malloc == "keep":
-        from training.cpu_tuning import keep_freed_memory
+        from vaswani_training.cpu_tuning import keep_freed_memory
 
         kept = keep_freed_memory()
     torch.manual_seed(args.seed)

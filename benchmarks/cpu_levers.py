@@ -24,10 +24,10 @@ if str(ROOT) not in sys.path:
 
 from transformers import DataCollatorForSeq2Seq  # noqa: E402
 
-from training.arguments import DataArguments, ModelArguments  # noqa: E402
-from training.prepare import build_model, prepare_data, token_budget_sampler  # noqa: E402
-from training.presets import PRESETS  # noqa: E402
 from vaswani_hf.schedule import paper_adam  # noqa: E402
+from vaswani_training.arguments import DataArguments, ModelArguments  # noqa: E402
+from vaswani_training.prepare import build_model, prepare_data, token_budget_sampler  # noqa: E402
+from vaswani_training.presets import PRESETS  # noqa: E402
 
 
 def batches(n: int):

@@ -23,8 +23,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     trainer_args, no_trainer_args = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 
-    import training.train as train
-    from training.train_no_trainer import run
+    import vaswani_training.train as train
+    from vaswani_training.train_no_trainer import run
 
     captured = {}
     original = train.PaperTrainer.get_train_dataloader

@@ -7,9 +7,9 @@ import torch
 from conftest import make_tiny_model
 from safetensors.torch import load_file
 
-from training.average_checkpoints import main as average_main
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.averaging import average_checkpoints, average_last_checkpoints, find_checkpoints
+from vaswani_training.average_checkpoints import main as average_main
 
 STEPS = (200, 900, 1000, 10000)  # a plain string sort would put 10000 before 200 and 900
 

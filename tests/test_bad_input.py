@@ -39,7 +39,7 @@ def parallel(folder: Path, german=GERMAN, english=ENGLISH, name="p") -> str:
 
 
 def train(tmp_path, *args):
-    from training.train import main
+    from vaswani_training.train import main
 
     return main(["--preset", "tiny", "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"),
                  "--max_steps", "1", "--eval_strategy", "no", *args])
@@ -55,13 +55,13 @@ def model_folder(tmp_path, tiny_tokenizer):
 
 
 def translate_cli(*args):
-    from training.translate import main
+    from vaswani_training.translate import main
 
     return main(list(map(str, args)))
 
 
 def evaluate_cli(*args):
-    from training.evaluate_bleu import main
+    from vaswani_training.evaluate_bleu import main
 
     return main(list(map(str, args)))
 
@@ -123,7 +123,7 @@ def test_train_cli_zero_samples_is_refused_not_read_as_all(tmp_path):
     for flag in ("--max_train_samples", "--max_test_samples", "--max_tokens", "--max_source_length"):
         with pytest.raises(DataError, match=f"{flag} must be >= 1 \\(leave the flag out for the default\\), got 0"):
             train(tmp_path, "--train_file", prefix, "--test_file", prefix, flag, "0")
-    from training.prepare import select
+    from vaswani_training.prepare import select
 
     with pytest.raises(DataError, match=r"take a number of examples >= 1 .*got 0"):  # the library function too
         select(list(range(3)), 0)
@@ -207,7 +207,7 @@ def test_learned_positions_refuse_long_input_when_translating_and_training(tmp_p
         train(tmp_path, "--train_file", prefix, "--config_overrides",
               "position_embedding_type=learned,max_position_embeddings=16")
     # The loop without Trainer runs the same check, with the same message.
-    from training.train_no_trainer import main as train_no_trainer
+    from vaswani_training.train_no_trainer import main as train_no_trainer
 
     with pytest.raises(ValueError, match=r"learned positions for 16 tokens \(max_position_embeddings\), fewer than "
                                          r"--max_source_length 256, --max_target_length 256.*sinusoidal"):

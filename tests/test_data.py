@@ -1,6 +1,6 @@
 """Tests for vaswani_hf.data: loading parallel data with clear errors, tokenization, token-budget batching.
 
-Uses only the shipped copy under training/data/multi30k and tmp files (no network, never ../shared).
+Uses only the shipped copy under vaswani_hf/corpora/multi30k and tmp files (no network, never ../shared).
 """
 
 import gzip
@@ -31,7 +31,7 @@ from vaswani_hf.data import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-M30K = REPO / "training" / "data" / "multi30k"
+M30K = REPO / "vaswani_hf" / "corpora" / "multi30k"
 
 
 def write(path: Path, data, gz=False):

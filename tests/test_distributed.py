@@ -87,8 +87,8 @@ def launched(data):
 @pytest.fixture(scope="module")
 def single(data):
     """One process accumulating 2 batches per update, with each script (the references)."""
-    from training.train import main as train_main
-    from training.train_no_trainer import run
+    from vaswani_training.train import main as train_main
+    from vaswani_training.train_no_trainer import run
 
     out, cache = data["root"] / "one", data["root"] / "cache_one"
     train_main(flags(data, out / "trainer", cache, *TRAINER_FLAGS, "--gradient_accumulation_steps", "2"))
@@ -219,8 +219,8 @@ def test_no_trainer_resume_continues_exactly(data, tmp_path):
     """With dropout on, across an epoch end: stopping at update 3 (mid-epoch) and resuming to update 8 gives the
     uninterrupted run, bit for bit (model, optimizer, schedule, RNG and the position in the batch order all restored);
     a newer but damaged checkpoint is skipped."""
-    from training.run_checks import checkpoint_problems, resolve_resume_checkpoint
-    from training.train_no_trainer import run
+    from vaswani_training.run_checks import checkpoint_problems, resolve_resume_checkpoint
+    from vaswani_training.train_no_trainer import run
 
     cache = data["root"] / "cache_resume"
     common = ["--preset", "tiny", "--train_file", data["train"], "--validation_file", data["validation"],
@@ -255,10 +255,10 @@ def test_no_trainer_resume_continues_exactly(data, tmp_path):
 
 
 def test_checkpoint_and_flag_errors_are_clear(tmp_path, monkeypatch):
-    from training.run import check_distributed
-    from training.run_checks import resolve_resume_checkpoint
-    from training.train_no_trainer import LoopArguments, check_loop_arguments
     from vaswani_hf.checks import CheckError
+    from vaswani_training.run import check_distributed
+    from vaswani_training.run_checks import resolve_resume_checkpoint
+    from vaswani_training.train_no_trainer import LoopArguments, check_loop_arguments
 
     def resolve_checkpoint(value, output_dir):
         return resolve_resume_checkpoint(value, output_dir, layout="accelerate")

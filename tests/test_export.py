@@ -20,7 +20,7 @@ import yaml
 from safetensors import safe_open
 
 import vaswani_hf
-from training.export import EXPORTED_CODE, export_for_hub, main as export_main, push_folder
+from vaswani_training.export import EXPORTED_CODE, export_for_hub, main as export_main, push_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -108,7 +108,7 @@ def hub():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, hub):
     """A tiny run on the shipped Multi30k that ends with --push_to_hub (to the stand-in)."""
-    from training.train import main
+    from vaswani_training.train import main
 
     out = tmp_path_factory.mktemp("run")
     main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path_factory.mktemp("cache")),
@@ -321,7 +321,7 @@ def test_export_without_metrics_has_no_model_index(trained, tmp_path):
 
 
 def test_no_trainer_loop_pushes_too(hub, tmp_path):
-    from training.train_no_trainer import main
+    from vaswani_training.train_no_trainer import main
 
     out = tmp_path / "run"
     main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), "--max_steps", "1",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from training.atomic import write_json_atomic, write_lines_atomic
+from vaswani_training.atomic import write_json_atomic, write_lines_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ KILLED_WRITER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     sys.path.insert(0, sys.argv[3])
-    from training.atomic import write_lines_atomic
+    from vaswani_training.atomic import write_lines_atomic
 
     def lines():
         for i in range(50_000):
@@ -152,8 +152,8 @@ def write_sites() -> set[tuple[str, str, str]]:
 def test_every_file_write_is_atomic_or_checked():
     unchecked = sorted(write_sites() - set(CHECKED_WRITES))
     assert not unchecked, (
-        "New file writes: write outputs with training.atomic.write_json_atomic / write_lines_atomic (or a temporary "
-        "file/folder and os.replace), then add them to CHECKED_WRITES with the reason: " + repr(unchecked))
+        "New file writes: write outputs with vaswani_training.atomic.write_json_atomic / write_lines_atomic (or a "
+        "temporary file/folder and os.replace), then add them to CHECKED_WRITES with the reason: " + repr(unchecked))
     # The commands' outputs go through the atomic helpers.
     for command in ("translate.py", "evaluate_bleu.py"):
         text = (ROOT / "training" / command).read_text()

@@ -1,32 +1,33 @@
 """The training scripts' process memory settings, each in a fresh process:
 
-- `training.cpu_tuning.keep_freed_memory`: glibc keeps freed memory, so training steps stop page-faulting their
+- `vaswani_training.cpu_tuning.keep_freed_memory`: glibc keeps freed memory, so training steps stop page-faulting their
   activations in again; the user's own MALLOC_* settings and VASWANI_KEEP_FREED_MEMORY=0 win.
-- `training.cpu_tuning.bound_onednn_caches`: torch's caches of oneDNN computations stay small when every training step
-  brings new row counts; the user's own cache settings win."""
+- `vaswani_training.cpu_tuning.bound_onednn_caches`: torch's caches of oneDNN computations stay small when every
+  training step brings new row counts; the user's own cache settings win."""
 
 import os
 import platform
+import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from training.cpu_tuning import MALLOC_ENV, ONEDNN_CACHE_ENV, bound_onednn_caches
 from vaswani_hf.kernels_vaswani import has_onednn_linear
+from vaswani_training.cpu_tuning import MALLOC_ENV, ONEDNN_CACHE_ENV, bound_onednn_caches
 
 ROOT = Path(__file__).resolve().parents[1]
 MALLOC_PROBE = """
 import resource, sys
 sys.path.insert(0, {root!r})
 import vaswani_hf  # the training commands have imported the model (torch, transformers) when they call it
-from training.cpu_tuning import keep_freed_memory
+from vaswani_training.cpu_tuning import keep_freed_memory
 applied = keep_freed_memory()
 import torch
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):  # 20 allocations of 64 MiB, written and freed, as a training step's activations are
-    block = torch.ones(16 * 1024 * 1024)
+for _ in range(20):  # 20 allocations of BLOCK bytes, written and freed, as a training step's activations are
+    block = torch.ones({block} // 4)
     del block
 print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -35,7 +36,7 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 CACHE_PROBE = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from training.cpu_tuning import bound_onednn_caches
+from vaswani_training.cpu_tuning import bound_onednn_caches
 applied = bound_onednn_caches()
 import torch
 from vaswani_hf.kernels_vaswani import _onednn_linear
@@ -53,12 +54,25 @@ def run_probe(probe: str = MALLOC_PROBE, **env_overrides):
     """Run `probe` in a fresh Python without the user's memory settings (plus `env_overrides`): (applied, number)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in SETTINGS_ENV}
     env.update(env_overrides)
-    out = subprocess.run([sys.executable, "-c", probe.format(root=str(ROOT))], env=env, capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", probe.format(root=str(ROOT), block=BLOCK)], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
     return out[0] == "True", int(out[1])
 
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+BLOCK = 64 * 1024 * 1024  # bytes: above glibc's default mmap threshold, so each block is mapped and faulted in anew
+
+
+def largest_fault() -> int:
+    """The most bytes one page fault maps in: a transparent huge page where the kernel backs every anonymous mapping
+    with them (`always`), else a page (4 KiB on x86-64, 16 or 64 KiB on some ARM kernels)."""
+    page = resource.getpagesize()
+    try:
+        if "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+            return max(page, int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text()))
+    except (OSError, ValueError):
+        pass
+    return page
 
 
 @pytest.mark.skipif(not GLIBC, reason="keep_freed_memory tunes glibc's malloc only; elsewhere it does nothing, which "
@@ -68,16 +82,16 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     assert applied
     default_applied, default_faults = run_probe(VASWANI_KEEP_FREED_MEMORY="0")
     assert not default_applied
-    # 64 MiB is 16,384 pages: by default each of the 20 blocks is mmapped and faulted in anew (~327,000 faults);
-    # kept, the first block's pages are reused
-    assert default_faults > 20 * 16384 * 0.9
-    assert faults < 3 * 16384
+    # by default each of the 20 blocks is mapped and faulted in anew (with 4 KiB pages 16,384 faults a block, some
+    # 327,000 in all); kept, the first block's pages are reused
+    assert default_faults > 20 * (BLOCK // largest_fault()) * 0.9, default_faults
+    assert faults < 3 * BLOCK // resource.getpagesize() and faults < default_faults / 5, (faults, default_faults)
 
 
 def test_malloc_is_left_alone_when_asked_or_not_glibc(monkeypatch):
     import ctypes
 
-    from training.cpu_tuning import keep_freed_memory
+    from vaswani_training.cpu_tuning import keep_freed_memory
 
     for name, value in (("VASWANI_KEEP_FREED_MEMORY", "0"), ("MALLOC_ARENA_MAX", "2")):  # the user's choice wins
         with monkeypatch.context() as env:
@@ -95,6 +109,7 @@ def test_malloc_is_left_alone_when_asked_or_not_glibc(monkeypatch):
     assert keep_freed_memory() is False
 
 
+@pytest.mark.isa  # oneDNN's computations, and the memory they keep, are chosen by the instruction set
 @pytest.mark.skipif(not has_onednn_linear(), reason="this torch build multiplies without oneDNN, so it keeps no oneDNN "
                                                     "computations to bound; test_user_cache_settings_win checks what "
                                                     "bound_onednn_caches sets on every build")

@@ -26,7 +26,7 @@ TINY_RUN = ["--preset", "tiny", "--max_train_samples", "120", "--max_test_sample
 
 
 def train(output_dir: Path, cache: Path, *args: str) -> dict:
-    from training.train import main
+    from vaswani_training.train import main
 
     return main([*TINY_RUN, "--output_dir", str(output_dir), "--cache_dir", str(cache), *args])
 
@@ -36,7 +36,7 @@ def listing(folder: Path) -> dict[str, bytes]:
 
 
 def translate_cli(*args) -> int:
-    from training.translate import main
+    from vaswani_training.translate import main
 
     return main([str(a) for a in args])
 
@@ -74,8 +74,8 @@ def test_the_dashed_max_steps_overrides_the_preset(run):
 
 
 def test_given_flags_counts_every_spelling():
-    from training.run import given_flags
-    from training.train import build_parser
+    from vaswani_training.run import given_flags
+    from vaswani_training.train import build_parser
 
     parser = build_parser()
     assert {"max_steps", "warmup_steps", "save_steps"} <= given_flags(
@@ -108,7 +108,7 @@ def test_gnmt_decoding_honours_max_new_tokens(model_folder, tmp_path, tiny_token
 
 
 def test_average_last_is_checked_before_training(tmp_path, cache):
-    from training.run_checks import check_average_last
+    from vaswani_training.run_checks import check_average_last
 
     with pytest.raises(CheckError, match="--save_total_limit 2 deletes all but 2"):
         train(tmp_path / "a", cache, "--max_steps", "4", "--save_steps", "1", "--average_last", "3",
@@ -157,7 +157,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, cache):
 
 @pytest.mark.parametrize("where", ["same", "inside", "parent"])
 def test_export_never_replaces_the_model_folder(run, tmp_path, where):
-    from training.export import main as export_main
+    from vaswani_training.export import main as export_main
 
     source = tmp_path / "run"
     shutil.copytree(run[0], source)
@@ -170,7 +170,7 @@ def test_export_never_replaces_the_model_folder(run, tmp_path, where):
 
 @pytest.mark.parametrize("where", ["same", "parent"])
 def test_ct2_export_never_replaces_the_model_folder(run, tmp_path, where):
-    from training.export_ct2 import main as export_ct2_main
+    from vaswani_training.export_ct2 import main as export_ct2_main
 
     source = tmp_path / "run"
     shutil.copytree(run[0], source)
@@ -182,7 +182,7 @@ def test_ct2_export_never_replaces_the_model_folder(run, tmp_path, where):
 
 
 def test_averaging_never_replaces_the_runs_own_model(run, tmp_path):
-    from training.average_checkpoints import main as average_main
+    from vaswani_training.average_checkpoints import main as average_main
 
     source = tmp_path / "run"
     shutil.copytree(run[0], source)
@@ -198,7 +198,7 @@ def test_averaging_never_replaces_the_runs_own_model(run, tmp_path):
 
 
 def test_the_hub_token_is_in_no_file_of_a_run_or_an_export(run, tmp_path):
-    from training.export import main as export_main
+    from vaswani_training.export import main as export_main
 
     out, _ = run
     exported = tmp_path / "export"
@@ -357,8 +357,8 @@ def test_a_truncated_json_file_of_a_model_folder_is_named(model_folder, tmp_path
 
 
 def test_truncated_metrics_and_trainer_state_are_named(run, tmp_path):
-    from training.export import main as export_main
-    from training.plot import plot_learning_curve
+    from vaswani_training.export import main as export_main
+    from vaswani_training.plot import plot_learning_curve
 
     source = tmp_path / "run"
     shutil.copytree(run[0], source)
@@ -373,8 +373,8 @@ def test_truncated_metrics_and_trainer_state_are_named(run, tmp_path):
 
 
 def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
-    from training.arguments import DataArguments, ModelArguments
-    from training.prepare import get_tokenizer
+    from vaswani_training.arguments import DataArguments, ModelArguments
+    from vaswani_training.prepare import get_tokenizer
 
     data = {"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."}, {"de": "Eine Katze.", "en": "A cat."}]}
     model_args = ModelArguments(cache_dir=str(tmp_path))

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import TrainerControl, TrainerState
 
-from training.planner import BudgetPlanner, process_start_monotonic
 from vaswani_hf.schedule import paper_optimizer_and_schedule
+from vaswani_training.planner import BudgetPlanner, process_start_monotonic
 
 
 class Clock:
@@ -42,7 +42,7 @@ def run(planner, clock, steps, seconds_per_step, lr_scheduler, eval_every=None, 
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    monkeypatch.setattr("training.planner.time.monotonic", c)
+    monkeypatch.setattr("vaswani_training.planner.time.monotonic", c)
     return c
 
 
@@ -157,8 +157,8 @@ def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, 
     the logged learning rate falls linearly over the cooldown."""
     import json
 
-    from training.presets import PRESETS
-    from training.train import main
+    from vaswani_training.presets import PRESETS
+    from vaswani_training.train import main
 
     monkeypatch.setitem(PRESETS["tiny"], "cooldown_fraction", 0.5)
     out = tmp_path / "run"
@@ -189,7 +189,7 @@ def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, 
 def test_native_bf16_follows_the_cpu_flags_and_the_restrictions(monkeypatch, tmp_path, flags, capability, onednn_isa,
                                                                 native):
     """`cpu_has_native_bf16` on any CPU, with /proc/cpuinfo's flags and torch's capability stood in for."""
-    import training.precision as precision
+    import vaswani_training.precision as precision
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor : 0\nflags : {flags}\n")
@@ -219,7 +219,7 @@ def test_an_instruction_set_restriction_turns_native_bf16_off():
     import subprocess
     import sys
 
-    code = "from training.precision import cpu_has_native_bf16; print(cpu_has_native_bf16())"
+    code = "from vaswani_training.precision import cpu_has_native_bf16; print(cpu_has_native_bf16())"
     env = dict(__import__("os").environ)
     env.pop("ATEN_CPU_CAPABILITY", None), env.pop("ONEDNN_MAX_CPU_ISA", None)
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -231,7 +231,7 @@ def test_an_instruction_set_restriction_turns_native_bf16_off():
 
 
 def _recipe(cpu_bf16: str):
-    from training.arguments import RecipeArguments
+    from vaswani_training.arguments import RecipeArguments
 
     return RecipeArguments(cpu_bf16=cpu_bf16)
 
@@ -242,9 +242,9 @@ def _recipe(cpu_bf16: str):
     (0.15, 0.22, False),  # bf16 slower (a Xeon with AVX512-BF16 and no AMX)
 ])
 def test_auto_precision_measures_where_bf16_is_native(monkeypatch, fp32, bf16, chosen):
-    from training import precision
-    from training.arguments import ModelArguments
-    from training.presets import PRESETS
+    from vaswani_training import precision
+    from vaswani_training.arguments import ModelArguments
+    from vaswani_training.presets import PRESETS
 
     measured = []
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
@@ -266,9 +266,9 @@ def test_auto_precision_measures_where_bf16_is_native(monkeypatch, fp32, bf16, c
     ("auto", True, "2", True),  # several processes would each measure and could disagree: native means bf16
 ])
 def test_precision_is_not_measured_where_nothing_is_to_choose(monkeypatch, cpu_bf16, native, world_size, chosen):
-    from training import precision
-    from training.arguments import ModelArguments
-    from training.presets import PRESETS
+    from vaswani_training import precision
+    from vaswani_training.arguments import ModelArguments
+    from vaswani_training.presets import PRESETS
 
     def fail(config):
         raise AssertionError("measured")
@@ -282,10 +282,10 @@ def test_precision_is_not_measured_where_nothing_is_to_choose(monkeypatch, cpu_b
 
 
 def test_precision_probe_uses_the_overridden_widths_and_a_saved_models_config(tmp_path):
-    from training.arguments import ModelArguments
-    from training.precision import precision_probe_config
-    from training.presets import PRESETS
     from vaswani_hf import VaswaniConfig
+    from vaswani_training.arguments import ModelArguments
+    from vaswani_training.precision import precision_probe_config
+    from vaswani_training.presets import PRESETS
 
     config = precision_probe_config(ModelArguments(config_overrides="d_model=128,d_ff=512", vocab_size=3000),
                                     PRESETS["cpu"])
@@ -297,8 +297,8 @@ def test_precision_probe_uses_the_overridden_widths_and_a_saved_models_config(tm
 
 def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
     """The real measurement, on tiny widths; with learned positions it stays within their table."""
-    from training.precision import time_training_precisions
     from vaswani_hf import VaswaniConfig
+    from vaswani_training.precision import time_training_precisions
 
     config = VaswaniConfig(vocab_size=300, d_model=32, encoder_layers=2, decoder_layers=2, num_heads=2, d_ff=64)
     torch.manual_seed(7)
@@ -320,8 +320,8 @@ def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
 def test_the_budget_follows_the_cpu_not_the_precision_it_measures(monkeypatch, cpu_bf16, native, budget):
     """A CPU with native bf16 gets the 18-minute budget whichever precision its measurement picks (a Xeon whose
     fp32 is faster trains in fp32 within it); --cpu_bf16 no, or no native bf16, 26 minutes; a GPU, the preset's."""
-    from training import run
-    from training.presets import PRESETS
+    from vaswani_training import run
+    from vaswani_training.presets import PRESETS
 
     monkeypatch.setattr(run, "cpu_has_native_bf16", lambda: native)
     assert run.default_budget_minutes(PRESETS["cpu"], _recipe(cpu_bf16), "cpu") == budget
@@ -334,9 +334,9 @@ def test_the_loop_without_the_planner_stops_in_time_for_the_test_translation(tmp
     start) less the estimated time after training, 20 s + the test sentences at the preset's guess per sentence."""
     import time
 
-    from training import run as scaffold
-    from training.arguments import DataArguments, ModelArguments, RecipeArguments
-    from training.presets import PRESETS
+    from vaswani_training import run as scaffold
+    from vaswani_training.arguments import DataArguments, ModelArguments, RecipeArguments
+    from vaswani_training.presets import PRESETS
 
     def new_run(preset: str, recipe: RecipeArguments, *, max_steps_given: bool = False):
         return scaffold.new_run(ModelArguments(preset=preset), DataArguments(), recipe, preset=PRESETS[preset],

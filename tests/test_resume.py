@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from training.run_checks import checkpoint_problems, resolve_resume_checkpoint
 from vaswani_hf.checks import CheckError
+from vaswani_training.run_checks import checkpoint_problems, resolve_resume_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "training" / "train.py"
@@ -253,7 +253,7 @@ def test_sigint_saves_a_checkpoint_writes_metrics_and_exits_0(tmp_path, cache):
 def test_a_second_signal_stops_at_once_and_handlers_are_restored_after_training():
     from transformers import TrainerControl, TrainerState
 
-    from training.train import TimeLimit
+    from vaswani_training.train import TimeLimit
 
     before = signal.getsignal(signal.SIGINT)
     callback = TimeLimit(None)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from training.train import main
+    from vaswani_training.train import main
 
     out = tmp_path_factory.mktemp("run")
     cache = tmp_path_factory.mktemp("cache")
@@ -61,7 +61,7 @@ def test_output_folder_loads_with_auto_classes_and_pipeline(trained):
 
 
 def test_translate_command_reads_file_and_writes_aligned_output(trained, tmp_path):
-    from training.translate import main as translate_main
+    from vaswani_training.translate import main as translate_main
 
     out = trained[0]
     src = tmp_path / "in.de"
@@ -74,7 +74,7 @@ def test_translate_command_reads_file_and_writes_aligned_output(trained, tmp_pat
 
 
 def test_second_run_reuses_cached_tokenizer(trained, tmp_path, caplog):
-    from training.train import main
+    from vaswani_training.train import main
 
     out, cache, _, args = trained
     args = list(args)
@@ -89,8 +89,8 @@ def test_second_run_reuses_cached_tokenizer(trained, tmp_path, caplog):
 
 
 def test_bad_preset_and_override_errors_are_clear():
-    from training.arguments import ModelArguments
-    from training.presets import parse_overrides, resolve_preset
+    from vaswani_training.arguments import ModelArguments
+    from vaswani_training.presets import parse_overrides, resolve_preset
 
     with pytest.raises(ValueError, match="unknown; choose one of"):
         resolve_preset(ModelArguments(preset="huge"))
@@ -110,15 +110,47 @@ def test_console_entry_points_exit_0_after_a_run(monkeypatch):
     """`vaswani-train` must exit 0: `main` returns the metrics dict, which `sys.exit(main())` would turn into status 1."""
     import tomllib
 
-    import training.train as train
-    import training.train_no_trainer as no_trainer
+    import vaswani_training.train as train
+    import vaswani_training.train_no_trainer as no_trainer
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["vaswani-train"] == "training.train:cli"
-    assert scripts["vaswani-train-no-trainer"] == "training.train_no_trainer:cli"
+    assert scripts["vaswani-train"] == "vaswani_training.train:cli"
+    assert scripts["vaswani-train-no-trainer"] == "vaswani_training.train_no_trainer:cli"
     for module in (train, no_trainer):
         monkeypatch.setattr(module, "main", lambda argv=None: {"test_bleu": 35.0})
         assert module.cli() == 0
+
+
+def test_the_wheel_installs_vaswani_hf_with_its_data_and_vaswani_training(tmp_path):
+    """The wheel holds two packages and no generic top-level `training`: the library with the shipped Multi30k as its
+    package data (it reads it), and the commands of training/ as vaswani_training, where every console entry points."""
+    import shutil
+    import zipfile
+
+    source = tmp_path / "source"  # built from a copy: a build writes build/ and *.egg-info beside pyproject.toml
+    for name in ("vaswani_hf", "training"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+                             "-q", "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+    assert {name.split("/")[0] for name in names} == {"vaswani_hf", "vaswani_training", "vaswani_hf-0.1.0.dist-info"}
+    library = {p.relative_to(ROOT).as_posix() for p in (ROOT / "vaswani_hf").rglob("*")
+               if p.is_file() and (p.suffix == ".py" or "corpora" in p.parts) and "__pycache__" not in p.parts}
+    assert {"vaswani_hf/corpora/multi30k/train.de.gz", "vaswani_hf/corpora/multi30k/README.md",
+            "vaswani_hf/corpora/multi30k/tok/test_2016_flickr.lc.norm.tok.en.gz"} <= library
+    assert library <= names, sorted(library - names)  # every module and data file, subpackages included
+    folder = ROOT / "training"
+    commands = {"vaswani_training/" + p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                if p.is_file() and p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts}
+    assert "vaswani_training/accelerate_configs/cpu_2proc.yaml" in commands and commands <= names
+    entry_points = archive.read("vaswani_hf-0.1.0.dist-info/entry_points.txt").decode().split("[console_scripts]")[1]
+    targets = [line.split(" = ")[1] for line in entry_points.split("\n") if " = " in line]
+    assert len(targets) == 8 and all(target.startswith("vaswani_training.") for target in targets)
 
 
 def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
@@ -127,7 +159,7 @@ def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
     from transformers import Seq2SeqTrainingArguments
 
     from conftest import make_tiny_model, padded_batch
-    from training.train import PaperTrainer
+    from vaswani_training.train import PaperTrainer
 
     model = make_tiny_model(dropout=0.0)
     ids, mask = padded_batch(length=9)
@@ -152,7 +184,7 @@ def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
     from transformers import Seq2SeqTrainingArguments
 
     from conftest import make_tiny_model
-    from training.train import PaperTrainer
+    from vaswani_training.train import PaperTrainer
     from vaswani_hf.schedule import paper_adam
 
     model = make_tiny_model(dropout=0.0)
@@ -181,7 +213,7 @@ def test_paper_trainer_pins_batches_only_for_an_accelerator(tmp_path, recwarn):
     from transformers import Seq2SeqTrainingArguments
 
     from conftest import make_tiny_model
-    from training.train import PaperTrainer
+    from vaswani_training.train import PaperTrainer
 
     # transformers' default where `use_cpu` is not given, as in vaswani-train on a machine without a GPU
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], dataloader_pin_memory=True)

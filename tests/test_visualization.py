@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from training.plot import learning_curve_data, main as plot_main, plot_learning_curve
+from vaswani_training.plot import learning_curve_data, main as plot_main, plot_learning_curve
 from vaswani_hf.decoding import paper_generate
 from vaswani_hf.visualization import attention_maps, attention_weights, plot_all_attention, plot_attention
 

@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file (python training/average_checkpoints.py): import as vaswani_training
+    __package__ = "vaswani_training"
 
 
 def build_parser() -> argparse.ArgumentParser:

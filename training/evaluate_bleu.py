@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file (python training/evaluate_bleu.py): import as vaswani_training
+    __package__ = "vaswani_training"
 
-from training.arguments import DataArguments  # noqa: E402
 from vaswani_hf.checks import CheckError  # noqa: E402
+
+from .arguments import DataArguments
 
 
 def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, *, batch_size: int = 64,
@@ -99,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import vaswani_hf  # noqa: F401
-    from training.atomic import write_json_atomic
-    from training.prepare import select
-    from training.run_checks import check_device
     from vaswani_hf.checks import check_model_folder, check_output_file
     from vaswani_hf.data import load_multi30k, load_parallel_dataset
+
+    from .atomic import write_json_atomic
+    from .prepare import select
+    from .run_checks import check_device
 
     for name in ("num_beams", "batch_size", "max_test_samples"):
         value = getattr(args, name)

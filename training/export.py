@@ -34,8 +34,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file (python training/export.py): import as vaswani_training
+    __package__ = "vaswani_training"
 
 logger = logging.getLogger("vaswani_hf.export")
 
@@ -192,11 +192,10 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
         ValueError: `model_dir` holds another kind of model.
         FileExistsError: `output_dir` exists and `force` is False.
     """
-    import vaswani_hf  # noqa: F401  (registers the Auto classes; saved folders get auto_map and the code files)
     from transformers import AutoTokenizer
 
+    import vaswani_hf  # noqa: F401  (registers the Auto classes; saved folders get auto_map and the code files)
     from vaswani_hf import VaswaniForConditionalGeneration
-
     from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file (python training/export_ct2.py): import as vaswani_training
+    __package__ = "vaswani_training"
 
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
 
@@ -41,9 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
-    from vaswani_hf.export_ct2 import export_ct2
-
     from vaswani_hf.checks import CheckError, check_model_folder
+    from vaswani_hf.export_ct2 import export_ct2
 
     try:
         check_model_folder(args.model_dir)  # config, every JSON file, weights, tokenizer of the model's size

@@ -19,8 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file (python training/plot.py): import as vaswani_training
+    __package__ = "vaswani_training"
 
 
 def find_trainer_state(path: str | Path) -> Path:
@@ -139,9 +139,8 @@ def _attention(args) -> list[Path]:
     from transformers import AutoTokenizer
 
     from vaswani_hf import VaswaniForConditionalGeneration
-    from vaswani_hf.visualization import attention_maps, plot_all_attention
-
     from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs
+    from vaswani_hf.visualization import attention_maps, plot_all_attention
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():

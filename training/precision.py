@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from training.arguments import ModelArguments, RecipeArguments
-from training.presets import parse_overrides
 from vaswani_hf import VaswaniConfig
+
+from .arguments import ModelArguments, RecipeArguments
+from .presets import parse_overrides
 
 # oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) below which it has no bf16 instructions.
 _ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}

@@ -15,8 +15,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from training.arguments import DataArguments, ModelArguments
-from training.presets import parse_overrides
 from vaswani_hf import VaswaniConfig, train_joint_bpe
 from vaswani_hf.checks import CheckError, read_json
 from vaswani_hf.data import (
@@ -26,6 +24,9 @@ from vaswani_hf.data import (
     load_parallel_dataset,
     tokenize_dataset,
 )
+
+from .arguments import DataArguments, ModelArguments
+from .presets import parse_overrides
 
 logger = logging.getLogger("vaswani_hf.training")
 

@@ -15,7 +15,7 @@ from vaswani_hf import VaswaniConfig
 from vaswani_hf.checks import CheckError
 
 if TYPE_CHECKING:
-    from training.arguments import ModelArguments
+    from .arguments import ModelArguments
 
 PRESETS: dict[str, dict[str, Any]] = {
     "base": {

@@ -33,14 +33,15 @@ from typing import Any
 
 import torch
 
-from training.arguments import DataArguments, ModelArguments, RecipeArguments
-from training.atomic import write_json_atomic, write_lines_atomic
-from training.cpu_tuning import bound_onednn_caches, keep_freed_memory
-from training.planner import process_start_monotonic, seconds_after_training
-from training.precision import cpu_has_native_bf16
-from training.prepare import build_model, dataset_label, is_multi30k, prepare_data, select
-from training.run_checks import average_current_run, check_average_last, check_model_inputs, check_run_output_dir
 from vaswani_hf.checks import CheckError, RunLock, check_output_dir
+
+from .arguments import DataArguments, ModelArguments, RecipeArguments
+from .atomic import write_json_atomic, write_lines_atomic
+from .cpu_tuning import bound_onednn_caches, keep_freed_memory
+from .planner import process_start_monotonic, seconds_after_training
+from .precision import cpu_has_native_bf16
+from .prepare import build_model, dataset_label, is_multi30k, prepare_data, select
+from .run_checks import average_current_run, check_average_last, check_model_inputs, check_run_output_dir
 
 logger = logging.getLogger("vaswani_hf.training")
 
@@ -343,7 +344,7 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     `metrics` is updated in place and returned, with `source_lang`, `target_lang` and `dataset` added (the model card
     of `training/export.py` reads them).
     """
-    from training.evaluate_bleu import evaluate_test_set
+    from .evaluate_bleu import evaluate_test_set
 
     data_args, output_dir = run.data_args, run.output_dir
     metrics.update(source_lang=data_args.source_lang, target_lang=data_args.target_lang,
@@ -368,7 +369,7 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     print(f"Model, tokenizer and metrics.json written to {output_dir}")
     print(f"Whole command: {metrics['command_minutes']} min" + (f" (time budget {budget:g} min)" if budget else ""))
     if push is not None:
-        from training.export import export_and_push
+        from .export import export_and_push
 
         export_and_push(output_dir, repo_id=push.repo_id, token=push.token, private=push.private)
     return metrics

@@ -19,10 +19,9 @@ import logging
 import signal
 import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `training` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file (python training/train.py): import as vaswani_training
+    __package__ = "vaswani_training"
 
 from torch.utils.data import DataLoader
 from transformers import (
@@ -34,17 +33,21 @@ from transformers import (
     set_seed,
 )
 
-from training.arguments import DataArguments, ModelArguments, RecipeArguments
-from training.planner import BudgetPlanner
-from training.precision import cpu_precision
-from training.prepare import select, token_budget_sampler
-from training.presets import resolve_preset
-from training.run import (
+from vaswani_hf.checks import CheckError
+from vaswani_hf.data import example_lengths
+from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
+
+from .arguments import DataArguments, ModelArguments, RecipeArguments
+from .planner import BudgetPlanner
+from .precision import cpu_precision
+from .prepare import select, token_budget_sampler
+from .presets import resolve_preset
+from .run import (
     HubPush,
     Run,
     average_into,
-    check_inputs,
     check_distributed,
+    check_inputs,
     check_positions,
     claim_output_dir,
     command_cli,
@@ -58,10 +61,7 @@ from training.run import (
     start_process,
     strip_hub_token,
 )
-from training.run_checks import resolve_resume_checkpoint, resolve_resume_value
-from vaswani_hf.checks import CheckError
-from vaswani_hf.data import example_lengths
-from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
+from .run_checks import resolve_resume_checkpoint, resolve_resume_value
 
 logger = logging.getLogger("vaswani_hf.train")
 

@@ -49,19 +49,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `training` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file (python training/train_no_trainer.py): import as vaswani_training
+    __package__ = "vaswani_training"
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import DataCollatorForSeq2Seq, HfArgumentParser, set_seed
 
-from training.arguments import DataArguments, ModelArguments, RecipeArguments
-from training.atomic import write_json_atomic
-from training.precision import cpu_precision
-from training.prepare import token_budget_sampler
-from training.presets import resolve_preset
-from training.run import (
+from vaswani_hf import VaswaniForConditionalGeneration
+from vaswani_hf.averaging import find_checkpoints
+from vaswani_hf.checks import CheckError, read_json
+from vaswani_hf.schedule import paper_optimizer_and_schedule
+
+from .arguments import DataArguments, ModelArguments, RecipeArguments
+from .atomic import write_json_atomic
+from .precision import cpu_precision
+from .prepare import token_budget_sampler
+from .presets import resolve_preset
+from .run import (
     HubPush,
     Run,
     average_into,
@@ -78,11 +83,7 @@ from training.run import (
     start_process,
     training_deadline,
 )
-from training.run_checks import resolve_resume_checkpoint, resolve_resume_value
-from vaswani_hf import VaswaniForConditionalGeneration
-from vaswani_hf.averaging import find_checkpoints
-from vaswani_hf.checks import CheckError, read_json
-from vaswani_hf.schedule import paper_optimizer_and_schedule
+from .run_checks import resolve_resume_checkpoint, resolve_resume_value
 
 logger = logging.getLogger("vaswani_hf.train_no_trainer")
 

@@ -14,8 +14,8 @@ import math
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):  # run as a file (python training/translate.py): import as vaswani_training
+    __package__ = "vaswani_training"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
-    from training.atomic import write_lines_atomic
     from vaswani_hf.inference import translate_sentences
+
+    from .atomic import write_lines_atomic
 
     if args.batch_size < 1:
         raise SystemExit(f"--batch_size must be >= 1, got {args.batch_size}.")
@@ -77,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.length_penalty is not None and not math.isfinite(args.length_penalty):
         raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
     model_dir = Path(args.model)
-    from training.run_checks import check_device
     from vaswani_hf.checks import CheckError, check_model_folder, check_output_file
+
+    from .run_checks import check_device
 
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer
         check_model_folder(model_dir)

@@ -270,7 +270,7 @@ def check_tokenizer_matches(folder: str | os.PathLike, config) -> None:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise CheckError(f"{folder}: no tokenizer.json beside the model. Save the tokenizer with the model "
-                         f"(tokenizer.save_pretrained(folder)); training/train.py does so in --output_dir.")
+                         f"(tokenizer.save_pretrained(folder)); vaswani-train does so in --output_dir.")
     read_json(path)
     try:
         from transformers import AutoTokenizer

@@ -1,7 +1,7 @@
 """Parallel-data loading and token-budget batching shared by the training scripts.
 
-Everything here works offline. The default corpus is the copy of Multi30k task 1 shipped in
-``training/data/multi30k`` (see its README for origin, terms and citation); nothing is downloaded unless the
+Everything here works offline. The default corpus is the copy of Multi30k task 1 shipped as package data in
+``vaswani_hf/corpora/multi30k`` (see its README for origin, terms and citation); nothing is downloaded unless the
 caller explicitly asks for a Hugging Face Hub dataset with ``load_parallel_dataset(hub_dataset=...)``.
 
 Records have the layout used by the ``transformers`` translation examples::
@@ -196,7 +196,7 @@ def _lang_file(prefix: Path, lang: str) -> Path:
     raise DataError(
         f"no file for language {lang!r} at prefix {prefix} (looked for {plain} and {gz}), and no file "
         f"{prefix}.<lang>[.gz] exists at all. Check the prefix: it is the path without the '.<lang>' suffix, "
-        f"e.g. training/data/multi30k/train."
+        f"e.g. vaswani_hf/corpora/multi30k/train."
     )
 
 
@@ -206,7 +206,7 @@ def read_parallel_text(
     """Read aligned files ``{prefix}.{source_lang}[.gz]`` and ``{prefix}.{target_lang}[.gz]``.
 
     Args:
-        prefix: path without the language suffix, e.g. ``training/data/multi30k/train``.
+        prefix: path without the language suffix, e.g. ``vaswani_hf/corpora/multi30k/train``.
         source_lang, target_lang: language codes (file suffixes), e.g. ``"de"``, ``"en"``.
         empty_lines: ``"skip"`` (default) drops pairs where either side is empty or whitespace-only and logs
             the count (also in ``ParallelText.skipped``); ``"error"`` raises naming the file and line number;
@@ -411,29 +411,26 @@ def load_parallel_dataset(
 # Shipped Multi30k
 # --------------------------------------------------------------------------------------------------------------
 
-#: split name -> file stem in training/data/multi30k
+#: split name -> file stem in vaswani_hf/corpora/multi30k
 MULTI30K_SPLITS = {"train": "train", "validation": "val", "test": "test_2016_flickr"}
 MULTI30K_ENV = "VASWANI_MULTI30K_DIR"
 
 
 def multi30k_dir() -> Path:
-    """Directory of the shipped Multi30k copy: ``$VASWANI_MULTI30K_DIR`` if set, else
-    ``training/data/multi30k`` next to the ``vaswani_hf`` package (resolved relative to this file, so it works
-    from any working directory: in a source checkout / editable install it is the repository's copy; in a
-    wheel install, the ``training`` package's data files installed beside ``vaswani_hf``).
+    """Directory of the shipped Multi30k copy: ``$VASWANI_MULTI30K_DIR`` if set, else ``corpora/multi30k`` inside
+    the ``vaswani_hf`` package (its package data, in a checkout and in any install alike).
 
     Raises:
-        DataError: the directory does not exist (e.g. a wheel install without the repository); the message says
-            to set ``VASWANI_MULTI30K_DIR`` or pass explicit paths.
+        DataError: the directory does not exist (an install that left out the package data, or a wrong
+            ``VASWANI_MULTI30K_DIR``); the message says to reinstall, fix the variable or pass explicit paths.
     """
     env = os.environ.get(MULTI30K_ENV)
-    d = Path(env) if env else Path(__file__).resolve().parent.parent / "training" / "data" / "multi30k"
+    d = Path(env) if env else Path(__file__).resolve().parent / "corpora" / "multi30k"
     if not d.is_dir():
         raise DataError(
-            f"Multi30k directory {d} not found. The data ships in the repository under training/data/multi30k: "
-            f"run from a source checkout / editable install, or set "
-            f"{MULTI30K_ENV}=/path/to/training/data/multi30k, or pass explicit file prefixes to "
-            f"load_parallel_dataset()."
+            f"Multi30k directory {d} not found. The data is package data of vaswani_hf "
+            f"(vaswani_hf/corpora/multi30k): reinstall the package, set {MULTI30K_ENV} to a folder holding the same "
+            f"files, or pass explicit file prefixes to load_parallel_dataset()."
         )
     return d
 
@@ -455,7 +452,8 @@ def multi30k_file(split: str, lang: str, *, tokenized_lowercased: bool = False) 
     stem = MULTI30K_SPLITS[split]
     p = d / "tok" / f"{stem}.lc.norm.tok.{lang}.gz" if tokenized_lowercased else d / f"{stem}.{lang}.gz"
     if not p.is_file():
-        raise DataError(f"{p}: shipped Multi30k file missing; restore it from git (training/data/multi30k).")
+        raise DataError(f"{p}: shipped Multi30k file missing; reinstall vaswani-hf or restore it from git "
+                        f"(vaswani_hf/corpora/multi30k).")
     return p
 
 
