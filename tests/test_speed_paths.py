@@ -377,7 +377,7 @@ def test_weights_packed_by_one_generate_are_not_reused_after_the_weights_change(
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(expected.scores))
 
 
-# fp32 CPU training linears in oneDNN (`VaswaniLinear.trains_with_onednn`, `cpu_training_matmul`)
+# fp32 CPU training linears in oneDNN (`kernels_vaswani.trains_with_onednn`, `cpu_training_matmul`)
 
 
 @needs_onednn
@@ -439,17 +439,17 @@ def test_onednn_training_path_takes_only_fp32_training_steps(monkeypatch):
     model = make_tiny_model()
     linear = model.model.encoder.layers[0].fc1
     model.train()
-    assert linear.trains_with_onednn(torch.randn(2, 32))
+    assert kernels_vaswani.trains_with_onednn(linear, torch.randn(2, 32))
     with torch.no_grad():
-        assert not linear.trains_with_onednn(torch.randn(2, 32))
+        assert not kernels_vaswani.trains_with_onednn(linear, torch.randn(2, 32))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not linear.trains_with_onednn(torch.randn(2, 32))
-    assert not linear.trains_with_onednn(torch.randn(2, 32, dtype=torch.float64))
+        assert not kernels_vaswani.trains_with_onednn(linear, torch.randn(2, 32))
+    assert not kernels_vaswani.trains_with_onednn(linear, torch.randn(2, 32, dtype=torch.float64))
     model.eval()
-    assert not linear.trains_with_onednn(torch.randn(2, 32))
+    assert not kernels_vaswani.trains_with_onednn(linear, torch.randn(2, 32))
     model.train()
     monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "blas")
-    assert not linear.trains_with_onednn(torch.randn(2, 32))
+    assert not kernels_vaswani.trains_with_onednn(linear, torch.randn(2, 32))
 
 
 @needs_onednn

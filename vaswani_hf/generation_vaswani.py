@@ -420,7 +420,7 @@ class VaswaniGenerationMixin(GenerationMixin):
     @contextlib.contextmanager
     def cpu_packed_linears(self):
         """Context manager: the model's linear layers multiply with oneDNN and prepacked weights inside it (see
-        `VaswaniLinear`), if the model is an fp32 model on a CPU, torch has oneDNN, autocast is off and
+        `kernels_vaswani.linear`), if the model is an fp32 model on a CPU, torch has oneDNN, autocast is off and
         `use_cpu_packed_linears` is True (the class attribute; set it to False to turn the path off). `generate()`
         runs inside it. Packing copies every linear weight once (as much memory again as the linear weights). The
         packed copies are kept for the next use while every weight is unchanged (the same tensor, storage, version

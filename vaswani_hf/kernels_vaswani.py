@@ -3,10 +3,11 @@
 - `CPUDropout`, `CPUDropoutAdd`: dropout (and dropout followed by the residual add) with a cheaper random mask
   (§5.4's dropout, same distribution, scale and gradient);
 - `cpu_attention_forward`: Eq. 1 on a CPU for bf16/fp16 (scores in fp32) and for training with attention dropout;
-- `VaswaniLinear`: `nn.Linear` that multiplies in oneDNN in fp32 CPU training where oneDNN is much faster than
-  torch's BLAS (`cpu_training_matmul`, which measures once which library is faster), and with oneDNN-packed weights
-  during CPU inference; `packed_cpu_linears`, the context that packs them (with the stacked q|k|v input projections)
-  for `generate()`, keeping the packed copies for the next call while the weights stay unchanged;
+- `linear`: the model's linear layers (plain `nn.Linear`s, so that torch's quantization finds them) multiply in
+  oneDNN in fp32 CPU training where oneDNN is much faster than torch's BLAS (`cpu_training_matmul`, which measures
+  once which library is faster), and with oneDNN-packed weights during CPU inference; `packed_cpu_linears`, the
+  context that packs them (with the stacked q|k|v input projections) for `generate()`, keeping the packed copies for
+  the next call while the weights stay unchanged;
 - `RealTokens`: CPU training runs the position-wise layers on the real (non-padding) tokens of a batch only;
 - `cpu_projected_cross_entropy`: a CPU training step's output projection and label-smoothed loss in one function,
   without materializing anything of the `(N, V)` logits' size but one buffer.
@@ -105,7 +106,7 @@ def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
 
 @functools.cache
 def has_onednn_linear() -> bool:
-    """Whether this torch has oneDNN and the two operators of `VaswaniLinear`'s CPU path (torch >= 2.0 builds)."""
+    """Whether this torch has oneDNN and the two operators of `linear`'s CPU paths (torch >= 2.0 builds)."""
     try:
         return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
                     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -200,42 +201,94 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-class VaswaniLinear(nn.Linear):
-    """`nn.Linear`, with faster paths on a CPU. `(..., in_features)` -> `(..., out_features)`.
+def trains_with_onednn(module: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether `linear(module, x)` takes the oneDNN training path: an fp32 training-mode forward with autograd on a
+    CPU, without autocast, compiling or tracing, where `cpu_training_matmul()` chose oneDNN."""
+    return (module.training and torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
+            and module.weight.dtype == torch.float32 and (x.requires_grad or module.weight.requires_grad)
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing() and cpu_training_matmul() == "onednn")
+
+
+def uses_packed(module: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether `linear(module, x)` multiplies with the oneDNN-packed weight: one is packed (`packed_cpu_linears`), and
+    `x` is an fp32 CPU input without autograd, autocast or compiling."""
+    return (getattr(module, "packed_weight", None) is not None and x.dtype == torch.float32
+            and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling())
+
+
+def _fast_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """x W^T + b by one of the CPU fast paths, or `None` where none applies."""
+    if uses_packed(module, x):
+        return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, module.bias, "none", [], "")
+    if trains_with_onednn(module, x):
+        return _OneDNNLinear.apply(x, module.weight, module.bias)
+    return None
+
+
+def _global_hooks() -> bool:
+    """Whether forward hooks are registered for every module (`nn.modules.module.register_module_forward_hook`)."""
+    hooks = nn.modules.module
+    return bool(getattr(hooks, "_global_forward_hooks", None) or getattr(hooks, "_global_forward_pre_hooks", None))
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """Whether `module` is an `nn.Linear` itself, computing x W^T + b and nothing else: not a subclass (a quantized,
+    parametrized or PEFT-wrapped layer has its own type), no forward replaced on the instance (accelerate's offload)
+    and no forward hooks."""
+    return (type(module) is nn.Linear and "forward" not in module.__dict__ and not module._forward_hooks
+            and not module._forward_pre_hooks and not _global_hooks())
+
+
+def new_linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
+    """The model's linear layers: a plain `nn.Linear` (torch's dynamic quantization, which matches exact types, then
+    finds every one), run through `linear()`; `packed_weight` is `None` until `packed_cpu_linears` packs it."""
+    module = nn.Linear(in_features, out_features, bias=bias)
+    module.packed_weight = None
+    return module
+
+
+def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a linear layer of the model, `(..., in_features)` -> `(..., out_features)`, with faster paths
+    on a CPU for a plain `nn.Linear` (`is_plain_linear`):
 
     - Training: an fp32 training-mode forward with autograd on a CPU, without autocast, multiplies with oneDNN, forward
       and backward, where `cpu_training_matmul()` found oneDNN much faster than torch's BLAS on this CPU (about 2x on
-      AMD Zen 5); elsewhere it is `nn.Linear`'s.
-    - Inference: while `packed_weight` holds the weight in oneDNN's blocked layout (`generate()` packs it for the
-      duration of the call: `VaswaniGenerationMixin.cpu_packed_linears`), an fp32 forward on a CPU without autograd
-      and without autocast multiplies with oneDNN: for the few rows of a decoding step, prepacked weights are faster
-      than torch's default BLAS call even where the two libraries are close at training sizes.
+      AMD Zen 5).
+    - Inference: while `module.packed_weight` holds the weight in oneDNN's blocked layout (`generate()` packs it for
+      the duration of the call: `VaswaniGenerationMixin.cpu_packed_linears`), an fp32 forward on a CPU without
+      autograd and without autocast multiplies with oneDNN: for the few rows of a decoding step, prepacked weights
+      are faster than torch's default BLAS call even where the two libraries are close at training sizes.
 
-    Results agree with `nn.Linear`'s to fp32 rounding. GPUs, bf16 and `torch.compile`d or exported graphs always take
-    `nn.Linear`'s path.
+    Results agree with `nn.Linear`'s to fp32 rounding. Any other module (quantized, wrapped by an adapter, hooked),
+    GPUs, bf16 and `torch.compile`d or exported graphs run `module(x)`.
     """
+    if is_plain_linear(module):
+        output = _fast_linear(module, x)
+        if output is not None:
+            return output
+    return module(x)
+
+
+class VaswaniLinear(nn.Linear):
+    """`nn.Linear` with `linear()`'s CPU fast paths as its own forward, for a linear layer outside the model (the
+    stacked input projections `packed_cpu_linears` packs). The model's own layers are plain `nn.Linear`s
+    (`new_linear`), so that torch's quantization and other tools that match exact types find them."""
 
     packed_weight: torch.Tensor | None = None
 
     def trains_with_onednn(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` takes the oneDNN training path."""
-        return (self.training and torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
-                and self.weight.dtype == torch.float32 and (x.requires_grad or self.weight.requires_grad)
-                and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-                and not torch.jit.is_tracing() and cpu_training_matmul() == "onednn")
+        """Whether `forward(x)` takes the oneDNN training path (`trains_with_onednn`)."""
+        return trains_with_onednn(self, x)
 
     def uses_packed(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` takes the oneDNN path."""
-        return (self.packed_weight is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-                and not torch.compiler.is_compiling())
+        """Whether `forward(x)` takes the oneDNN path with the packed weight (`uses_packed`)."""
+        return uses_packed(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_packed(x):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        if self.trains_with_onednn(x):
-            return _OneDNNLinear.apply(x, self.weight, self.bias)
-        return super().forward(x)
+        output = _fast_linear(self, x)
+        return output if output is not None else super().forward(x)
 
 
 # The output projection and the loss of a CPU training step ------------------------------------------------------------
@@ -299,7 +352,7 @@ def cpu_projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labe
     Here the logits' own buffer is the only one: turned into log-probabilities in place, and in the backward pass into
     the softmax in place (label smoothing's uniform term and the one-hot term are applied to the products' small
     `(N, D)` and `(V, D)` results instead). So its backward runs once: a second one (retain_graph=True) raises
-    RuntimeError. The products run in `cpu_training_matmul()`'s library, as `VaswaniLinear`'s
+    RuntimeError. The products run in `cpu_training_matmul()`'s library, as `linear`'s
     (benchmarks/bench_training_paths.py compares it with the unfused projection and loss).
 
     Args:
@@ -339,16 +392,11 @@ def _packing_key(linears: list, fused: dict) -> tuple:
     return tuple(parts)
 
 
-def _plain_projection(module: nn.Module) -> bool:
-    """Whether `module` computes x W^T + b as `VaswaniLinear` does (not wrapped, e.g. by a PEFT adapter)."""
-    return isinstance(module, VaswaniLinear) and type(module).forward is VaswaniLinear.forward
-
-
 @contextlib.contextmanager
 def packed_cpu_linears(model: nn.Module):
     """The body of `VaswaniGenerationMixin.cpu_packed_linears` (see there). The attentions whose input projections
     are stacked are the modules whose class declares `fused_inputs` (`VaswaniAttention`)."""
-    linears = [module for module in model.modules() if isinstance(module, VaswaniLinear)]
+    linears = [module for module in model.modules() if is_plain_linear(module)]
     wanted = (model.use_cpu_packed_linears and has_onednn_linear() and linears
               and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
@@ -361,7 +409,7 @@ def packed_cpu_linears(model: nn.Module):
         if hasattr(type(module), "fused_inputs"):
             group = (module.k_proj, module.v_proj) if module.is_cross_attention else \
                 (module.q_proj, module.k_proj, module.v_proj)
-            if all(_plain_projection(projection) for projection in group):
+            if all(is_plain_linear(projection) for projection in group):
                 fused[module] = group
     covered = {id(projection) for group in fused.values() for projection in group}
     linears = [module for module in linears if id(module) not in covered]

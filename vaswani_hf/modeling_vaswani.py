@@ -45,6 +45,9 @@ from .kernels_vaswani import (
     VaswaniLinear,
     cpu_attention_forward,
     cpu_projected_cross_entropy,
+    is_plain_linear,
+    linear,
+    new_linear,
 )
 from .loading_vaswani import VaswaniLoadingMixin
 
@@ -200,11 +203,6 @@ def eager_attention_forward(
     return output, probs
 
 
-class VaswaniInputProjection(VaswaniLinear):
-    """A query, key or value input projection of `VaswaniAttention` (`q_proj`, `k_proj`, `v_proj`: W^Q, W^K, W^V of
-    §3.2.2, `(D, D)` each). Its own type lets `_init_weights` initialize them as fairseq does."""
-
-
 class VaswaniAttention(nn.Module):
     """Multi-head attention (§3.2.2): MultiHead(Q, K, V) = Concat(head_1..head_h) W^O.
 
@@ -231,10 +229,12 @@ class VaswaniAttention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.is_causal = is_causal
         self.layer_idx = layer_idx
-        self.q_proj = VaswaniInputProjection(self.d_model, self.d_model)
-        self.k_proj = VaswaniInputProjection(self.d_model, self.d_model)
-        self.v_proj = VaswaniInputProjection(self.d_model, self.d_model)
-        self.out_proj = VaswaniLinear(self.d_model, self.d_model)
+        self.q_proj = new_linear(self.d_model, self.d_model)
+        self.k_proj = new_linear(self.d_model, self.d_model)
+        self.v_proj = new_linear(self.d_model, self.d_model)
+        self.out_proj = new_linear(self.d_model, self.d_model)
+        for projection in (self.q_proj, self.k_proj, self.v_proj):  # W^Q, W^K, W^V: fairseq's initialization
+            projection.is_attention_input = True
 
     fused_inputs: VaswaniLinear | None = None  # set by `cpu_packed_linears` (not a submodule, not saved)
 
@@ -244,7 +244,7 @@ class VaswaniAttention(nn.Module):
         packed fused matrix when it applies."""
         if fused and tokens is None and self.fused_inputs is not None and self.fused_inputs.uses_packed(x):
             return self._heads(self.fused_inputs(x))
-        return tuple(self._head(projection(x), tokens) for projection in projections)
+        return tuple(self._head(linear(projection, x), tokens) for projection in projections)
 
     def _head(self, x: torch.Tensor, tokens: RealTokens | None = None) -> torch.Tensor:
         """`(B, L, D)`, or `(N, D)` real tokens of `tokens`, -> `(B, H, L, Dh)`."""
@@ -286,7 +286,7 @@ class VaswaniAttention(nn.Module):
         batch, length = (tokens.batch, tokens.length) if tokens is not None else hidden_states.shape[:2]
         groups = 1
         if self.is_cross_attention:
-            query = self._head(self.q_proj(hidden_states), tokens)
+            query = self._head(linear(self.q_proj, hidden_states), tokens)
             cache = past_key_values.cross_attention_cache if past_key_values is not None else None
             if cache is not None and past_key_values.is_updated.get(self.layer_idx):
                 key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
@@ -323,7 +323,7 @@ class VaswaniAttention(nn.Module):
         output = output.reshape(batch, length, self.d_model)  # (B / k, k * T, H, Dh) is (B, T, D)
         if tokens is not None:
             output = tokens.pack(output)  # (N, D)
-        output = self.out_proj(output)
+        output = linear(self.out_proj, output)
         if output_attentions and groups > 1:  # (B / k, H, k * T, S) -> (B, H, T, S)
             probs = probs.unflatten(2, (groups, length)).transpose(1, 2).flatten(0, 1)
         return output, (probs if output_attentions else None)
@@ -389,15 +389,15 @@ class VaswaniEncoderLayer(GradientCheckpointingLayer):
         self.self_attn = VaswaniAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.activation_fn = ACT2FN[config.activation_function]
-        self.fc1 = VaswaniLinear(config.d_model, config.d_ff)
-        self.fc2 = VaswaniLinear(config.d_ff, config.d_model)
+        self.fc1 = new_linear(config.d_model, config.d_ff)
+        self.fc2 = new_linear(config.d_ff, config.d_model)
         self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """FFN(x) = max(0, x W1 + b1) W2 + b2 (§3.3, Eq. 2); `(B, L, D)` -> `(B, L, D)`."""
-        x = self.activation_fn(self.fc1(x))
+        x = self.activation_fn(linear(self.fc1, x))
         x = apply_dropout(x, p=self.activation_dropout, training=self.training)
-        return self.fc2(x)
+        return linear(self.fc2, x)
 
     def sublayer_input(self, hidden_states: torch.Tensor, layer_norm: nn.LayerNorm) -> torch.Tensor:
         """What a sublayer reads: x itself (post-LN, the paper), or LayerNorm(x) (pre-LN)."""
@@ -490,7 +490,7 @@ class VaswaniPreTrainedModel(VaswaniLoadingMixin, PreTrainedModel):
         """Xavier-uniform linears with zero bias, embeddings (and an untied `lm_head`) N(0, d_model^-0.5) with a zero
         padding row, unit LayerNorms, and the sinusoidal table (a buffer that v5's meta-device loading leaves empty)."""
         d_model = self.config.d_model
-        if isinstance(module, VaswaniInputProjection):
+        if isinstance(module, nn.Linear) and getattr(module, "is_attention_input", False):
             # fairseq initializes q, k and v as separate (D, D) matrices, xavier-uniform with gain 1/sqrt(2):
             # uniform(+-sqrt(6 / 4D)).
             bound = math.sqrt(6.0 / (4 * d_model))
@@ -825,7 +825,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
         self.model = VaswaniModel(config)
-        self.lm_head = VaswaniLinear(config.d_model, config.decoder_vocab_size, bias=False)
+        self.lm_head = new_linear(config.d_model, config.decoder_vocab_size, bias=False)
         if config.tie_word_embeddings:
             source = "model.shared.weight" if config.share_encoder_decoder_embeddings else \
                 "model.decoder.embed_tokens.weight"
@@ -914,18 +914,17 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             head = self.lm_head
             # Only the plain projection: an adapter (PEFT), a replaced module, a bias or a hook on lm_head computes
             # something else than hidden @ weight.T, so it keeps its own forward.
-            if (skip_logits is not False and type(head) is VaswaniLinear and head.bias is None
-                    and not head._forward_hooks and not head._forward_pre_hooks):
+            if skip_logits is not False and is_plain_linear(head) and head.bias is None:
                 check_labels(targets, head.out_features)
                 loss = cpu_projected_cross_entropy(
                     hidden_states, head.weight, targets, label_smoothing,
                     targets.numel() if num_items_in_batch is None else num_items_in_batch)
             if loss is None:
-                logits = self.lm_head(hidden_states)  # (N, V)
+                logits = linear(self.lm_head, hidden_states)  # (N, V)
                 loss = self.loss(logits[None], targets[None], num_items_in_batch, label_smoothing=label_smoothing)
                 logits = labelled.pad(logits) if not skip_logits else None  # (B, T, V)
         else:
-            logits = self.lm_head(hidden_states)  # (B, T, V)
+            logits = linear(self.lm_head, hidden_states)  # (B, T, V)
         if skipping is not None:
             logits = skipping.end_step(past_key_values, logits)
         if labels is not None and labelled is None:
