@@ -123,6 +123,20 @@ def pytest_configure(config):
     for mark in ("slow", "accelerate_tests", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test",
                  "torch_compile_test"):
         config.addinivalue_line("markers", f"{mark}: a mark of transformers' common tests")
+    config.addinivalue_line("markers", "isa: depends on the kernels the CPU's instruction set picks (int8 and bf16 "
+                                       "products, oneDNN or BLAS); `.ci/run` runs these again with AVX2 forced")
+
+
+# Modules whose every test depends on the instruction set (bf16 autocast, oneDNN against BLAS), marked `isa` here;
+# other such tests carry the mark in their own module.
+ISA_MODULES = ("test_real_tokens.py", "test_speed_paths.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in ISA_MODULES:
+            item.add_marker(pytest.mark.isa)
 
 
 def exits_with(call, *patterns) -> str:
