@@ -4,6 +4,7 @@
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,57 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in ISA_MODULES:
             item.add_marker(pytest.mark.isa)
+
+
+def _dev_requirements() -> list[str]:
+    """The distributions the project's `dev` extra installs, with those of the project's own extras it includes."""
+    from importlib.metadata import packages_distributions, requires
+
+    from packaging.requirements import Requirement
+
+    project = packages_distributions()["vaswani_hf"][0]
+    requirements = [Requirement(line) for line in requires(project) or []]
+    names, extras, seen = [], ["dev"], {"dev"}
+    while extras:
+        extra = extras.pop()
+        for requirement in requirements:
+            if requirement.marker is None or not requirement.marker.evaluate({"extra": extra}):
+                continue
+            if requirement.name.lower().replace("_", "-") == project.lower().replace("_", "-"):
+                extras += sorted(requirement.extras - seen)
+                seen |= requirement.extras
+            else:
+                names.append(requirement.name)
+    return names
+
+
+def pytest_sessionstart(session):
+    """With VASWANI_REQUIRE_DEV=1 (`.ci/run`), every dev dependency must import: a broken or missing install fails the
+    run here instead of turning the tests that need it into `importorskip` skips."""
+    import importlib
+    from importlib.metadata import packages_distributions
+
+    if os.environ.get("VASWANI_REQUIRE_DEV") != "1":
+        return
+    modules = {}
+    for module, distributions in packages_distributions().items():
+        for distribution in distributions:
+            modules.setdefault(distribution.lower().replace("_", "-"), []).append(module)
+    broken = []
+    for name in _dev_requirements():
+        key = name.lower().replace("_", "-")
+        # the module named as its distribution where there is one (matplotlib, not also pylab and mpl_toolkits)
+        names = [m for m in modules.get(key, []) if m.lower() == key.replace("-", "_")] or modules.get(key, [])
+        if not names:
+            broken.append(f"{name}: not installed")
+        for module in names:
+            try:
+                importlib.import_module(module)
+            except Exception as error:  # noqa: BLE001 - whatever breaks the import breaks the tests that need it
+                broken.append(f"{name}: import {module} failed ({type(error).__name__}: {error})")
+    if broken:
+        raise pytest.UsageError("VASWANI_REQUIRE_DEV=1 and dev dependencies (the dev extra) do not import:\n  "
+                                + "\n  ".join(broken))
 
 
 def exits_with(call, *patterns) -> str:
