@@ -191,6 +191,39 @@ def pytest_sessionstart(session):
                                 + "\n  ".join(broken))
 
 
+# transformers' own common tests (tests/test_transformers_common.py): how many ran, printed after the run; with
+# VASWANI_MIN_TRANSFORMERS_TESTS set (`.ci/run`), fewer passed than that fails the run.
+TRANSFORMERS_TESTS = "tests/test_transformers_common.py::VaswaniModelTest::"
+_transformers_outcomes = {"passed": 0, "skipped": 0, "failed": 0}
+
+
+def pytest_runtest_logreport(report):
+    if type(report) is not pytest.TestReport or not report.nodeid.startswith(TRANSFORMERS_TESTS):
+        return  # a subtest's report is not a test's
+    if report.when == "call" or report.outcome != "passed":
+        _transformers_outcomes[report.outcome] += 1
+
+
+def _too_few_transformers_tests() -> str | None:
+    least = os.environ.get("VASWANI_MIN_TRANSFORMERS_TESTS")
+    if least is not None and _transformers_outcomes["passed"] < int(least):
+        return f"fewer than VASWANI_MIN_TRANSFORMERS_TESTS={least} of transformers' common tests passed"
+    return None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _too_few_transformers_tests() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if any(_transformers_outcomes.values()) or _too_few_transformers_tests():
+        counts = ", ".join(f"{n} {outcome}" for outcome, n in _transformers_outcomes.items())
+        terminalreporter.write_line(f"transformers' common tests ({TRANSFORMERS_TESTS[:-2]}): {counts}")
+    if _too_few_transformers_tests():
+        terminalreporter.write_line(f"FAILED: {_too_few_transformers_tests()}", red=True, bold=True)
+
+
 def exits_with(call, *patterns) -> str:
     """Run a command's main(); it must stop with SystemExit whose message matches every regex pattern. Returns the
     message."""
