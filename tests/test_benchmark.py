@@ -154,14 +154,15 @@ def test_quick_run_reports_mfu_against_the_measured_gemm_peak(quick_run):
 
 
 def test_quick_run_says_where_the_step_goes(quick_run):
+    """The split's fields and the formulas that derive the ceilings from them. How the ceilings compare with the
+    measured fractions compares separately timed runs: that stays in the benchmark's output."""
     row = quick_run["mfu"]["sizes"]["quick"]
     peak = quick_run["mfu"]["gemm_peak"]["peak_flops_per_s"]
     for name in ("ours", "marian"):
         part = row[name]
         inside = part["products_seconds"] + part["attention_seconds"]
-        assert positive(part["products_seconds"]) and inside < part["step_seconds"]
+        assert positive(part["products_seconds"]) and part["attention_seconds"] >= 0 and positive(part["step_seconds"])
         assert part["ceiling_fraction_of_peak"] == pytest.approx(row["flops_per_step_real_tokens"] / inside / peak)
-        assert part["ceiling_fraction_of_peak"] > part["fraction_of_peak"]
     assert row["ceiling_ratio"] == pytest.approx(row["marian"]["step_seconds"] / (
         row["ours"]["products_seconds"] + row["ours"]["attention_seconds"]))
 
@@ -183,6 +184,7 @@ def test_time_products_sees_every_product_and_attention_kernel_of_a_step():
     assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == linears
     assert measured["product_calls"] == 3 * linears
     assert measured["attention_calls"] == 2 * (layers + 2 * layers)  # forward + backward per attention block
+    # disjoint intervals inside the one timed step, not a comparison of two timed runs
     assert 0 < measured["products"] + measured["attention"] < measured["step"]
 
 
