@@ -7,7 +7,8 @@ transformers' `generate()`, and what makes it cheaper than transformers' default
 - `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer;
 - `group_queries`: encoder-decoder attention for k hypotheses that share one encoder row (one per sentence);
 - `FinishedSentenceSkipping`: beam search's bookkeeping for decoding steps without the sentences it has finished;
-- `CACHE_NAME`, `_one_cache`: the cache keyword, `cache=` (transformers >= 5.24) or `past_key_values=`.
+- `CACHE_NAME`, `_one_cache`: the cache keyword, `cache=` (transformers >= 5.24) or `past_key_values=`;
+- `check_generation_values`: generation settings of the wrong type refused with the field named.
 
 It imports only torch, transformers and `kernels_vaswani.py`: transformers copies it beside the model code (relative
 imports) for `trust_remote_code=True`.
@@ -16,7 +17,10 @@ imports) for `trust_remote_code=True`.
 import contextlib
 import copy
 import functools
+import math
+import numbers
 import warnings
+from collections.abc import Mapping
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig
@@ -42,6 +46,57 @@ def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | No
         warnings.warn("`past_key_values` is deprecated (transformers >= 5.24): use `cache` instead.", FutureWarning,
                       stacklevel=3)
     return cache if cache is not None else past_key_values
+
+
+# Generation settings whose wrong type transformers reports deep inside a decoding loop, or not at all.
+_INTEGERS = ("num_beams", "num_return_sequences", "max_length", "max_new_tokens", "min_length", "min_new_tokens",
+             "top_k", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "num_beam_groups")
+_AT_LEAST_ONE = ("num_beams", "num_return_sequences")  # transformers divides by them or sizes tensors with them
+_NUMBERS = ("length_penalty", "temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
+            "encoder_repetition_penalty", "diversity_penalty", "epsilon_cutoff", "eta_cutoff", "max_time")
+_FLAGS = ("do_sample", "use_cache", "output_scores", "output_logits", "output_attentions", "output_hidden_states",
+          "return_dict_in_generate", "renormalize_logits", "remove_invalid_values")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id",
+              "forced_eos_token_id")
+GENERATION_FIELDS = _INTEGERS + _NUMBERS + _FLAGS + _TOKEN_IDS + ("early_stopping",)
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_generation_values(values: Mapping, where: str) -> None:
+    """Refuse generation settings (`GenerationConfig` fields or `generate()` keywords) of the wrong type, which
+    transformers would report as a `TypeError` deep in its decoding loop (`length_penalty="x"`) or not at all
+    (`max_length=3.5`). Names not in `GENERATION_FIELDS` and `None` values are not checked.
+
+    Args:
+        values: field name -> value.
+        where: what the values come from, for the message (a file, "generate()").
+    Raises:
+        ValueError: naming `where`, the field, its value and the type it must have.
+    """
+    for name, value in values.items():
+        if value is None or name not in GENERATION_FIELDS:
+            continue
+        if name in _INTEGERS:
+            minimum = 1 if name in _AT_LEAST_ONE else None
+            good = _is_integer(value) and (minimum is None or value >= minimum)
+            expected = "an integer >= 1" if minimum else "an integer"
+        elif name in _NUMBERS:
+            good = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            expected = "a finite number"
+        elif name in _FLAGS:
+            good, expected = isinstance(value, bool), "true or false"
+        elif name == "early_stopping":
+            good, expected = isinstance(value, bool) or value == "never", 'true, false or "never"'
+        else:  # token ids; eos_token_id may list several
+            ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+            good = bool(ids) and all(_is_integer(i) and i >= 0 for i in ids)
+            expected = "a token id (an integer >= 0)" + (" or a list of them" if name == "eos_token_id" else "")
+        if not good:
+            raise ValueError(f"{where}: {name} must be {expected}, got {value!r}. Pass or write it as "
+                             f"{expected.split(' (')[0]} (in JSON without quotes for numbers and true/false).")
 
 
 def group_queries(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple:
@@ -369,17 +424,17 @@ class VaswaniGenerationMixin(GenerationMixin):
 
         Raises:
             ValueError: `num_beams` or `num_return_sequences` is not an integer >= 1 (transformers would fail with a
-                ZeroDivisionError or a negative tensor dimension).
+                ZeroDivisionError or a negative tensor dimension), or another setting has the wrong type
+                (`check_generation_values`), as a keyword or in the generation config.
         """
         inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         if torch.is_tensor(inputs) and (inputs.ndim != 2 or 0 in inputs.shape):
             raise ValueError(f"generate(): input_ids must be a (batch, length) tensor with at least one sentence of at "
                              f"least one token (the tokenizer ends each with </s>), got shape {tuple(inputs.shape)}.")
         config = kwargs.get("generation_config") or self.generation_config
-        for name in ("num_beams", "num_return_sequences"):
-            value = kwargs.get(name, getattr(config, name, None))
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"generate(): {name} must be an integer >= 1, got {value!r}.")
+        check_generation_values(kwargs, "generate()")
+        check_generation_values({name: getattr(config, name, None) for name in GENERATION_FIELDS if name not in kwargs},
+                                "generate(): the generation config (generation_config)")
         with self.cpu_packed_linears(), self._length_limit_for(kwargs):
             outputs = super().generate(*args, **kwargs)
         sequences = outputs if torch.is_tensor(outputs) else getattr(outputs, "sequences", None)

@@ -392,11 +392,18 @@ def _packing_key(linears: list, fused: dict) -> tuple:
     return tuple(parts)
 
 
+# The names of the linear layers the model runs through `linear()` (modeling_vaswani.py).
+_MODEL_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "lm_head")
+
+
 @contextlib.contextmanager
 def packed_cpu_linears(model: nn.Module):
     """The body of `VaswaniGenerationMixin.cpu_packed_linears` (see there). The attentions whose input projections
-    are stacked are the modules whose class declares `fused_inputs` (`VaswaniAttention`)."""
-    linears = [module for module in model.modules() if is_plain_linear(module)]
+    are stacked are the modules whose class declares `fused_inputs` (`VaswaniAttention`). Packed are the model's
+    plain linear layers that it runs through `linear()` (`_MODEL_LINEARS`), not those inside another module (the
+    base layer or the matrices of a PEFT adapter, which that module runs itself)."""
+    linears = [module for name, module in model.named_modules()
+               if name.rpartition(".")[2] in _MODEL_LINEARS and is_plain_linear(module)]
     wanted = (model.use_cpu_packed_linears and has_onednn_linear() and linears
               and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()

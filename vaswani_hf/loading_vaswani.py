@@ -2,7 +2,8 @@
 
 - `VaswaniLoadingMixin`: `from_pretrained` reading safetensors only and refusing weights that cannot be right (an
   unreadable file, NaN or infinity, a tensor missing from or foreign to a local folder), converting checkpoints written
-  with fused attention input projections, and leaving the weights packed for `generate()` out of copies and training;
+  with fused attention input projections, untying the shared embedding on request (its tensor copied into each
+  embedding and `lm_head`), and leaving the weights packed for `generate()` out of copies and training;
 - `split_fused_projections`: `qkv_proj` / `kv_proj` checkpoint keys as the `q_proj`, `k_proj`, `v_proj` of §3.2.2.
 
 It imports only torch, transformers and safetensors: transformers copies it beside the model code (relative imports)
@@ -16,8 +17,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PretrainedConfig
 from transformers.utils import cached_file, logging
+
+from .generation_vaswani import check_generation_values
 
 logger = logging.get_logger(__name__)
 
@@ -42,10 +45,55 @@ def split_fused_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, to
     return converted
 
 
-def _read_fused_projection_checkpoint(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
-    """The state dict of a checkpoint written with fused input projections, converted by `split_fused_projections`;
-    `None` for a checkpoint with today's names or one that cannot be read here (`from_pretrained` then reads it and
-    reports any problem itself)."""
+def _saved_config(path, kwargs: dict, options: dict) -> dict:
+    """The fields of the config.json that was saved with the weights at `path` (or `config=` when that names another
+    folder); `{}` where there is none to read."""
+    source = kwargs.get("config") if isinstance(kwargs.get("config"), (str, os.PathLike)) else path
+    file = cached_file(source, "config.json", _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False, **options)
+    if file is None:
+        return {}
+    with open(file, encoding="utf-8") as handle:
+        saved = json.load(handle)
+    return saved if isinstance(saved, dict) else {}
+
+
+def _untied_copies(cls, path, kwargs: dict, options: dict, names: set[str]) -> tuple[dict[str, str], set[str]]:
+    """`({name: source}, dropped)`: the weights that a model loaded with `share_encoder_decoder_embeddings=False` or
+    `tie_word_embeddings=False` (keywords, or a `config=` saying so) needs and the file stores once, as the shared
+    tensor (§3.4) they were tied to when saved, each loaded as a copy of its source; and the names of the file that
+    model has no place for (`shared`, once copied into both embeddings). Empty when nothing is untied.
+
+    Only names tied in the saved config are copied: a tensor that was a weight of its own when saved and is missing from
+    the file stays missing (the strict check refuses it)."""
+    flags = ("share_encoder_decoder_embeddings", "tie_word_embeddings")
+    given = kwargs.get("config") if isinstance(kwargs.get("config"), PretrainedConfig) else None
+    if given is None and not any(flag in kwargs for flag in flags):
+        return {}, set()
+    saved = _saved_config(path, kwargs, options)
+    saved_share, saved_tie = (saved.get(flag, True) is not False for flag in flags)
+    share, tie = (kwargs.get(flag, getattr(given, flag, saved.get(flag, True))) is not False for flag in flags)
+    prefix = "model." if any(name.startswith("model.") for name in names) else ""
+    shared = f"{prefix}shared.weight"
+    copies, dropped = {}, set()
+    if saved_share and not share and shared in names:
+        for stack in ("encoder", "decoder"):
+            if f"{prefix}{stack}.embed_tokens.weight" not in names:
+                copies[f"{prefix}{stack}.embed_tokens.weight"] = shared
+        dropped.add(shared)
+    if saved_tie and not tie and cls.can_generate() and "lm_head.weight" not in names:
+        decoder = f"{prefix}decoder.embed_tokens.weight"
+        source = decoder if decoder in names else shared if saved_share and shared in names else None
+        if source is not None:
+            copies["lm_head.weight"] = source
+    return copies, dropped
+
+
+def _read_checkpoint_to_convert(cls, path, kwargs: dict) -> dict[str, torch.Tensor] | None:
+    """The state dict of a model.safetensors checkpoint that needs converting on the way in: fused input projections
+    (converted by `split_fused_projections`) or weights stored once that the model to build has untied
+    (`_untied_copies`: copied). `None` for a checkpoint loaded as it is, or one that cannot be read here
+    (`from_pretrained` then reads it and reports any problem itself)."""
     try:
         options = {name: kwargs[name] for name in _HUB_OPTIONS if kwargs.get(name) is not None}
         file = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False,
@@ -54,11 +102,48 @@ def _read_fused_projection_checkpoint(path, kwargs: dict) -> dict[str, torch.Ten
             return None
         with safe_open(file, framework="pt") as handle:
             keys = list(handle.keys())
-        if not any(f".{fused}." in key for key in keys for fused, _ in _FUSED_PROJECTIONS):
+        fused = any(f".{fused}." in key for key in keys for fused, _ in _FUSED_PROJECTIONS)
+        copies, dropped = _untied_copies(cls, path, kwargs, options, set(keys))
+        if not fused and not copies:
             return None
-        return split_fused_projections(load_file(file))
+        state_dict = load_file(file)
     except Exception:  # noqa: BLE001 - the normal loading path reports what is wrong with the file
         return None
+    for name, source in copies.items():
+        state_dict[name] = state_dict[source].clone()
+    for name in dropped:
+        del state_dict[name]
+    return split_fused_projections(state_dict) if fused else state_dict
+
+
+def _check_generation_config_file(path, kwargs: dict) -> None:
+    """Refuse a generation_config.json beside the weights that is not valid JSON (truncated: transformers would fall
+    back to default decoding without a word) or holds a setting of the wrong type (`check_generation_values`).
+
+    Raises:
+        ValueError: naming the file and what is wrong with it.
+    """
+    options = {name: kwargs[name] for name in _HUB_OPTIONS if kwargs.get(name) is not None}
+    try:
+        file = cached_file(path, "generation_config.json", _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **options)
+    except (OSError, ValueError):  # an unreachable or malformed Hub name: from_pretrained reports it
+        return
+    if file is None:
+        return
+    try:
+        with open(file, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"{file}: not a readable generation config ({error}); the file is truncated or damaged (a copy, download "
+            "or save that did not finish), and transformers would decode with default settings instead of the "
+            "model's. Copy the folder again, or write the file anew: model.generation_config.save_pretrained(folder)."
+        ) from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{file}: a generation config is a JSON object of settings, got {type(values).__name__}. "
+                         "Write it anew: model.generation_config.save_pretrained(folder).")
+    check_generation_values(values, file)
 
 
 def _saved_weight_names(folder: str) -> tuple[str, set[str]] | None:
@@ -89,7 +174,9 @@ def _check_loaded_weight_names(model: nn.Module, name_or_path, kwargs: dict,
     """Refuse a local folder whose safetensors weights lack a tensor of `model` or hold one it has no place for.
 
     Tied parameters (the shared embedding, §3.4) are stored once, so a group of names that share one tensor needs any
-    one of its names in the file. Folders on the Hub, explicit `state_dict`s and key mappings are left to transformers.
+    one of its names in the file: names are grouped by the parameter they hold, by the storage of their tensor, and by
+    the model's tied-weight declarations (which is what groups them on the meta device, where offloaded weights have
+    no storage). Folders on the Hub, explicit `state_dict`s and key mappings are left to transformers.
 
     Raises:
         ValueError: naming the file and up to five missing or unexpected weights.
@@ -115,11 +202,7 @@ def _check_loaded_weight_names(model: nn.Module, name_or_path, kwargs: dict,
         saved = {name[len(prefix):] for name in saved}  # a base model loaded from a folder with the LM head
     elif has_base and saved and not any(name.startswith(prefix) for name in saved):
         saved = {prefix + name for name in saved}  # the LM model loaded from a base model's folder
-    groups: dict[tuple, list[str]] = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.device.type)
-        groups.setdefault(key if tensor.device.type != "meta" else (name,), []).append(name)
-    missing = sorted(names[0] for names in groups.values() if not saved.intersection(names))
+    missing = sorted(names[0] for names in _tied_groups(model, state) if not saved.intersection(names))
     unexpected = sorted(saved - set(state))
     if missing or unexpected:
         parts = []
@@ -130,9 +213,58 @@ def _check_loaded_weight_names(model: nn.Module, name_or_path, kwargs: dict,
             parts.append(f"{len(unexpected)} unexpected weight(s) ({', '.join(unexpected[:5])}"
                          f"{', ...' if len(unexpected) > 5 else ''})")
         raise ValueError(
-            f"{where}: {' and '.join(parts)}. The weights do not belong to this config.json (another model size, "
-            "an edited or damaged file); missing weights are not initialized at random. Copy the folder again, or "
-            "load it with the config it was saved with.")
+            f"{where}: {' and '.join(parts)}. The weights do not belong to this config.json: they were saved from "
+            "another model (another size or layout) or the file was edited; missing weights are not initialized at "
+            "random. Load the folder with the config it was saved with, or copy the folder again.")
+
+
+def _tied_groups(model: nn.Module, state: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The names of `state` grouped by the tensor they hold: one parameter object, one storage (not on the meta
+    device), or a tie the model declares (`all_tied_weights_keys`, target -> source)."""
+    root = {name: name for name in state}
+
+    def find(name: str) -> str:
+        while root[name] != name:
+            root[name] = root[root[name]]
+            name = root[name]
+        return name
+
+    def join(a: str, b: str) -> None:
+        if a in root and b in root:
+            root[find(a)] = find(b)
+
+    first: dict = {}
+    for name, tensor in state.items():
+        if tensor.device.type != "meta":
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                   tensor.device.type)
+            join(name, first.setdefault(key, name))
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        join(name, first.setdefault(id(parameter), name))
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        join(target, source)
+    groups: dict[str, list[str]] = {}
+    for name in state:
+        groups.setdefault(find(name), []).append(name)
+    return list(groups.values())
+
+
+def _with_tied_names(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` with every name the model ties to another (§3.4) holding its source's tensor. Offloading to disk
+    (`device_map`) writes the names of a given state dict only, and a tied layer whose name is not there cannot
+    be loaded when it runs."""
+    prefix = "model." if any(name.startswith("model.") for name in state_dict) else ""
+    shared, decoder = f"{prefix}shared.weight", f"{prefix}decoder.embed_tokens.weight"
+    ties = {}
+    if config.share_encoder_decoder_embeddings:
+        ties = {f"{prefix}encoder.embed_tokens.weight": shared, decoder: shared}
+    if config.tie_word_embeddings and cls.can_generate() and prefix:
+        ties["lm_head.weight"] = shared if config.share_encoder_decoder_embeddings else decoder
+    state_dict = dict(state_dict)
+    for target, source in ties.items():
+        if target not in state_dict and source in state_dict:
+            state_dict[target] = state_dict[source]
+    return state_dict
 
 
 class VaswaniLoadingMixin:
@@ -178,28 +310,35 @@ class VaswaniLoadingMixin:
         Loading a local folder is strict: a weight the model needs that model.safetensors lacks (transformers would
         initialize it at random and only log it) or a tensor in the file that the model has no place for is an error,
         unless the caller passes `output_loading_info=True` and so receives the missing and unexpected names to check.
-        A checkpoint written with fused input projections (`qkv_proj`, `kv_proj`) is converted on the way in.
+        A checkpoint written with fused input projections (`qkv_proj`, `kv_proj`) is converted on the way in. Untying
+        the shared embedding (`share_encoder_decoder_embeddings=False`, `tie_word_embeddings=False`, as keywords or in
+        `config=`) loads a copy of the shared tensor into each embedding and `lm_head`, which then train apart.
+        `device_map` with CPU or disk offload (`offload_folder`) loads as transformers does.
 
         Raises:
             OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf,
-                or model.safetensors lacks weights of the model or holds unexpected ones.
+                model.safetensors lacks weights of the model or holds unexpected ones, or generation_config.json is
+                truncated or holds a setting of the wrong type (the file named in each case).
         """
         kwargs.setdefault("use_safetensors", True)
-        legacy = None
+        if pretrained_model_name_or_path is not None and cls.can_generate():
+            _check_generation_config_file(pretrained_model_name_or_path, kwargs)
+        converted = None
         if kwargs.get("state_dict") is None and pretrained_model_name_or_path is not None:
-            legacy = _read_fused_projection_checkpoint(pretrained_model_name_or_path, kwargs)
-        if legacy is not None:  # weights converted here; config and generation config still read from the folder
-            return cls._from_converted(pretrained_model_name_or_path, legacy, *args, **kwargs)
-        try:
-            loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        except SafetensorError as error:
-            raise OSError(
-                f"{pretrained_model_name_or_path}: the weights file (model.safetensors) cannot be read: {error}. It is "
-                "truncated or corrupted, e.g. by a copy, download or save that did not finish; copy or download it "
-                "again, or load another checkpoint."
-            ) from error
+            converted = _read_checkpoint_to_convert(cls, pretrained_model_name_or_path, kwargs)
+        if converted is not None:  # weights converted here; config and generation config still read from the folder
+            loaded = cls._from_converted(pretrained_model_name_or_path, converted, *args, **kwargs)
+        else:
+            try:
+                loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            except SafetensorError as error:
+                raise OSError(
+                    f"{pretrained_model_name_or_path}: the weights file (model.safetensors) cannot be read: {error}. "
+                    "It is truncated or corrupted, e.g. by a copy, download or save that did not finish; copy or "
+                    "download it again, or load another checkpoint."
+                ) from error
         model = loaded[0] if isinstance(loaded, tuple) else loaded
-        if not kwargs.get("output_loading_info"):
+        if converted is None and not kwargs.get("output_loading_info"):
             _check_loaded_weight_names(model, pretrained_model_name_or_path, kwargs)
         for name, tensor in model.state_dict().items():
             if tensor.device.type != "meta" and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -211,14 +350,20 @@ class VaswaniLoadingMixin:
 
     @classmethod
     def _from_converted(cls, path, state_dict: dict[str, torch.Tensor], *args, **kwargs):
-        """`from_pretrained` of a checkpoint whose weights `split_fused_projections` converted to `state_dict`."""
+        """`from_pretrained` of a checkpoint whose weights `_read_checkpoint_to_convert` converted to `state_dict`;
+        keywords naming config fields (`share_encoder_decoder_embeddings=False`) override the saved config, as in
+        `PreTrainedModel.from_pretrained`."""
         hub = {name: kwargs[name] for name in _HUB_OPTIONS if kwargs.get(name) is not None}
         if not isinstance(kwargs.get("config"), cls.config_class):
-            kwargs["config"] = cls.config_class.from_pretrained(kwargs.pop("config", None) or path, **hub)
+            fields = set(cls.config_class().to_dict()) - {"dtype", "torch_dtype"}
+            overrides = {name: kwargs.pop(name) for name in list(kwargs) if name in fields}
+            kwargs["config"] = cls.config_class.from_pretrained(kwargs.pop("config", None) or path, **hub, **overrides)
         for name in hub:
             kwargs.pop(name)
-        logger.info(f"{path}: converting fused attention input projections (qkv_proj, kv_proj) to q_proj, k_proj, "
-                    "v_proj; save the model again to store the new names.")
+        logger.info(f"{path}: converting the weights (fused attention input projections to q_proj, k_proj, v_proj, "
+                    "or a shared embedding untied); save the model again to store them as this model names them.")
+        if kwargs.get("device_map") is not None:
+            state_dict = _with_tied_names(cls, kwargs["config"], state_dict)
         loaded = super().from_pretrained(None, *args, state_dict=state_dict, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         _check_loaded_weight_names(model, path, {**kwargs, **hub}, converted=set(state_dict))
