@@ -4,15 +4,17 @@
 - `torch.onnx.export(dynamo=True)` gives eager's logits on padded batches under onnxruntime (extra `[onnx]`);
 - `torch._dynamo.explain` finds no graph break in the training forward, and a `fullgraph=True` compiled training
   step (forward, loss, backward) equals eager;
-- the checks the traced path no longer makes still run in eager mode (`check_input_ids`, the position table).
+- the checks the traced path no longer makes still run in eager mode (`check_input_ids`, the position table);
+- transformers' own ExecuTorch wrapper (`Seq2SeqLMExportableModule`) exports the encoder and the decoder with a static
+  cache, and its greedy loop gives `generate()`'s greedy tokens.
 """
 
 import copy
 
 import pytest
 import torch
-
 from conftest import make_tiny_model, padded_batch
+
 from vaswani_hf.modeling_vaswani import check_input_ids
 
 ATOL = 1e-5
@@ -135,3 +137,25 @@ def test_eager_checks_still_hold_off_the_traced_path():
     assert table.weight.shape[0] >= 70
     table.reserve(10)  # never shrinks
     assert table.weight.shape[0] >= 70
+
+
+def test_transformers_seq2seq_exportable_module_exports_and_its_greedy_loop_matches_generate():
+    # transformers' ExecuTorch path (integrations.executorch): torch.export of get_encoder() and of get_decoder() with
+    # a static cache, then its own greedy loop, which reads `outputs[0]` of the decoder and starts from token 0.
+    executorch = pytest.importorskip("transformers.integrations.executorch")
+    from _copy_task import EOS, sources, trained_copy_model
+
+    model = trained_copy_model(steps=60, decoder_start_token_id=0)  # trained to start from 0, as the loop does
+    exportable = executorch.Seq2SeqLMExportableModule(model, batch_size=1, max_hidden_seq_length=64,
+                                                      max_cache_length=32).export()
+    ids, mask = sources(seed=3, batch=4)
+    outputs = []
+    for row in range(ids.shape[0]):
+        prompt = ids[row: row + 1, : int(mask[row].sum())]
+        exported = exportable.generate(prompt, max_new_tokens=16)
+        expected = model.generate(input_ids=prompt, num_beams=1, do_sample=False, max_new_tokens=15)[0].tolist()
+        expected = expected[: expected.index(EOS) + 1] if EOS in expected else expected
+        assert exported == expected
+        outputs.append(tuple(exported))
+    # sentences, not one token repeated: different per source, ended by </s> where the model learned to copy
+    assert len(set(outputs)) == len(outputs) and sum(output[-1] == EOS for output in outputs) >= 2

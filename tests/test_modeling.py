@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import find_labels
 
+import vaswani_hf.configuration_vaswani as configuration_vaswani
 import vaswani_hf.modeling_vaswani as modeling
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
 from vaswani_hf.modeling_vaswani import CACHE_NAME, shift_tokens_right, sinusoidal_table
@@ -213,6 +214,55 @@ def test_learned_positions_refuse_too_long_inputs():
         model(input_ids=torch.randint(4, 99, (1, 9)), decoder_input_ids=torch.ones(1, 3, dtype=torch.long))
 
 
+def test_a_very_long_input_is_refused_before_its_attention_is_allocated(monkeypatch):
+    # 50,000 source positions would need a (1, 1, 50000, 50000) fp32 mask (9.3 GiB) and as many scores per head.
+    model = make_tiny_model()
+    assert model.config.max_positions == configuration_vaswani.SINUSOIDAL_MAX_POSITIONS == 16384
+    allocated = []
+    monkeypatch.setattr(modeling, "_additive", lambda blocked, dtype: allocated.append(blocked.shape))
+    for source, target in ((50_000, 3), (5, 20_000)):
+        with pytest.raises(ValueError, match=rf"Sequence of {max(source, target)} tokens is longer than the 16384 "
+                                             r"positions this model attends over.*GiB in fp32.*Split the text"):
+            model(input_ids=torch.randint(4, 99, (1, source)), attention_mask=torch.ones(1, source, dtype=torch.long),
+                  decoder_input_ids=torch.ones(1, target, dtype=torch.long))
+    assert all(max(shape) <= 5 for shape in allocated)  # refused before a mask of the long side was built
+    assert model.model.encoder.embed_positions.weight.shape[0] == 64  # nor was the table grown
+    larger = make_tiny_model(max_position_embeddings=20_000)
+    assert larger.config.max_positions == 20_000  # the config raises the limit
+    learned = make_tiny_model(position_embedding_type="learned", max_position_embeddings=8)
+    assert learned.config.max_positions == 8
+
+
+def test_translate_sentences_refuses_an_over_long_sentence_before_any_batch(tiny_tokenizer, monkeypatch):
+    from vaswani_hf.inference import translate_sentences
+
+    calls = []
+
+    def generate(model, **kwargs):
+        calls.append(kwargs["input_ids"].shape)
+        return model.generate(**kwargs)
+
+    sentences = ["Ein Hund läuft am Strand entlang."] * 4 + ["Ein Hund " * 30]
+    for overrides, pattern in ((dict(position_embedding_type="learned", max_position_embeddings=40),
+                                r"sentence 4: Sequence of \d+ tokens is longer than max_position_embeddings=40"),
+                               (dict(max_position_embeddings=8), None)):
+        model = make_tiny_model(vocab_size=len(tiny_tokenizer), **overrides)
+        if pattern is None:  # sinusoidal: over the table is fine, over the limit (40 here) is not
+            monkeypatch.setattr(configuration_vaswani, "SINUSOIDAL_MAX_POSITIONS", 40)
+            pattern = r"sentence 4: Sequence of \d+ tokens is longer than the 40 positions this model attends over"
+        with pytest.raises(ValueError, match=pattern + ".*nothing was translated"):
+            translate_sentences(model, tiny_tokenizer, sentences, batch_size=2, generate_fn=generate)
+        assert calls == []
+    # Without the long one, outputs stop at the last position a learned model has (40, the start token included),
+    # where sources of 23 tokens would allow 50 more.
+    model = make_tiny_model(vocab_size=len(tiny_tokenizer), position_embedding_type="learned",
+                            max_position_embeddings=40)
+    assert len(tiny_tokenizer(sentences[0])["input_ids"]) == 23 and len(tiny_tokenizer(sentences[4])["input_ids"]) > 40
+    translate_sentences(model, tiny_tokenizer, sentences[:4], batch_size=2, generate_fn=generate, num_beams=2,
+                        min_new_tokens=60)
+    assert len(calls) == 2
+
+
 # Cache and incremental decoding -------------------------------------------------------------------------------------
 
 
@@ -290,6 +340,25 @@ def test_loss_is_mean_token_cross_entropy_over_labelled_positions():
     assert decoder_input[:, 0].tolist() == [1, 1, 1] and (decoder_input[:, 1:] == labels[:, :-1].clamp(min=0)).all()
     torch.testing.assert_close(model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_input).logits,
                                out.logits)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_batch_without_labels_has_a_finite_zero_loss_that_keeps_the_graph(training):
+    # fairseq's: the sum over no tokens is 0; transformers' mean over none would be 0 / 0 = NaN.
+    model = make_tiny_model().train(training)
+    ids, mask = padded_batch(length=9)
+    nothing = torch.full((3, 5), -100)
+    for extra in (dict(), dict(num_items_in_batch=0), dict(num_items_in_batch=torch.tensor(0)),
+                  dict(label_smoothing=0.1)):
+        loss = model(input_ids=ids, attention_mask=mask, labels=nothing, **extra).loss
+        assert loss.item() == 0.0 and loss.requires_grad
+        model.zero_grad()
+        loss.backward()
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    some = nothing.clone()
+    some[1, :2] = torch.tensor([5, 2])
+    loss = model(input_ids=ids, attention_mask=mask, labels=some).loss
+    assert loss.item() > 1.0  # one labelled row: an ordinary loss
 
 
 def test_loss_is_plain_cross_entropy_unless_label_smoothing_is_passed():
@@ -437,6 +506,30 @@ def test_bad_inputs_raise_clear_errors():
         model.model(input_ids=ids)
     with pytest.raises(ValueError, match="exactly one of input_ids or inputs_embeds"):
         model(input_ids=ids, inputs_embeds=torch.zeros(2, 5, 32), decoder_input_ids=ids)
+
+
+def test_the_stacks_return_model_outputs_and_tuples_on_request():
+    # get_encoder()/get_decoder() are what transformers' export and generation helpers call directly.
+    from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions
+
+    model = make_tiny_model()
+    ids, mask = padded_batch(length=9)
+    with torch.no_grad():
+        encoded = model.get_encoder()(input_ids=ids, attention_mask=mask)
+        decoded = model.get_decoder()(input_ids=ids[:, :4], encoder_hidden_states=encoded.last_hidden_state,
+                                      encoder_attention_mask=mask, use_cache=True, output_attentions=True)
+        assert type(encoded) is BaseModelOutput and type(decoded) is BaseModelOutputWithPastAndCrossAttentions
+        assert decoded[0] is decoded.last_hidden_state and decoded.last_hidden_state.shape == (3, 4, 32)
+        assert isinstance(getattr(decoded, CACHE_NAME), EncoderDecoderCache)
+        assert len(decoded.attentions) == len(decoded.cross_attentions) == 2
+        as_tuple = model.get_decoder()(input_ids=ids[:, :4], encoder_hidden_states=encoded.last_hidden_state,
+                                       encoder_attention_mask=mask, return_dict=False)
+        assert type(as_tuple) is tuple and len(as_tuple) == 1
+        torch.testing.assert_close(as_tuple[0], decoded.last_hidden_state)
+        assert type(model.get_encoder()(input_ids=ids, return_dict=False)) is tuple
+        model.config.return_dict = False  # transformers' config switch
+        assert type(model.get_encoder()(input_ids=ids)) is tuple
+        assert type(model(input_ids=ids, decoder_input_ids=ids)) is tuple
 
 
 # Initialization (fairseq's, Xavier-uniform linears) -----------------------------------------------------------------

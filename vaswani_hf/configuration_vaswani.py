@@ -18,6 +18,9 @@ _CONFIG_JSON = "config.json"
 _ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "swish", "tanh")
 _POSITIONS = ("sinusoidal", "learned")
 _MAX_SIZE = 2**31 - 1
+# Sinusoidal positions extrapolate, but attention over S positions holds S x S scores per head and sentence (and a mask
+# as large): 16,384 positions are 1 GiB of fp32 scores. The model refuses longer inputs before allocating them.
+SINUSOIDAL_MAX_POSITIONS = 16384
 # The fields `VaswaniConfig._validate` checks.
 _FIELDS = ("vocab_size", "target_vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff",
            "dropout", "attention_dropout", "activation_dropout", "activation_function", "normalize_before",
@@ -62,7 +65,9 @@ class VaswaniConfig(PretrainedConfig):
             `"sinusoidal"`: the fixed encodings of §3.5; they extend to any length. `"learned"`: learned
             positional embeddings (Table 3, row E), limited to `max_position_embeddings` positions.
         max_position_embeddings (`int`, defaults to 1024):
-            Positions precomputed (sinusoidal) or learned. Sinusoidal inputs longer than this still work.
+            Positions precomputed (sinusoidal) or learned. Sinusoidal inputs longer than this still work, up to
+            `max_positions` (16,384 positions, or this if larger), beyond which attention's S x S scores take more
+            than 1 GiB per head and sentence and the model refuses the input.
         share_encoder_decoder_embeddings (`bool`, defaults to `True`):
             One embedding matrix for encoder and decoder input (§3.4; needs one vocabulary).
         tie_word_embeddings (`bool`, defaults to `True`):
@@ -222,6 +227,14 @@ class VaswaniConfig(PretrainedConfig):
             raise
 
     @property
+    def max_positions(self) -> int:
+        """The most positions a source or a target (its start token included) may have: `max_position_embeddings`
+        for learned positions; for sinusoidal ones, which extrapolate, `SINUSOIDAL_MAX_POSITIONS` or more."""
+        if self.position_embedding_type == "learned":
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings, SINUSOIDAL_MAX_POSITIONS)
+
+    @property
     def decoder_vocab_size(self) -> int:
         """Size of the target vocabulary: `target_vocab_size`, or `vocab_size` when that is `None`."""
         return self.target_vocab_size or self.vocab_size
@@ -253,8 +266,8 @@ class VaswaniConfig(PretrainedConfig):
                                  f"({type(value).__name__}).")
         eps = v("layer_norm_eps")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or not 0 < eps <= 1:
-            raise ValueError(f"VaswaniConfig: layer_norm_eps must be a small positive number (0 < eps <= 1; the default "
-                             f"is 1e-5), got {eps!r}.")
+            raise ValueError(f"VaswaniConfig: layer_norm_eps must be a small positive number (0 < eps <= 1; the "
+                             f"default is 1e-5), got {eps!r}.")
         limit = min(vocab_size, decoder_vocab_size)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = v(name)

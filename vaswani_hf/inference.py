@@ -40,7 +40,8 @@ def translate_sentences(
         progress: optional callable taking the number of sentences just finished (e.g. a tqdm `update`).
     Raises:
         ValueError: an empty list, a non-string item, `batch_size` / `num_beams` / `max_new_tokens` /
-            `max_source_length` < 1, or a non-finite `length_penalty`.
+            `max_source_length` < 1, a non-finite `length_penalty`, or a sentence longer than the model takes (see
+            `VaswaniConfig.max_positions`): refused before any batch is translated.
     """
     if isinstance(sentences, str):
         raise ValueError("translate_sentences: pass a list of sentences, not a single string.")
@@ -62,6 +63,18 @@ def translate_sentences(
     model.eval()
     device = next(model.parameters()).device
     encoded = tokenizer(sentences, truncation=max_source_length is not None, max_length=max_source_length)["input_ids"]
+    limit = _position_limit(model)
+    if limit is not None:
+        longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+        length = len(encoded[longest])
+        if length > limit:
+            reason = (f"max_position_embeddings={limit} of this model's learned positions"
+                      if model.config.position_embedding_type == "learned" else
+                      f"the {limit} positions this model attends over (attention would hold {length}^2 scores per head "
+                      "and sentence)")
+            raise ValueError(f"translate_sentences: sentence {longest}: Sequence of {length} tokens is longer than "
+                             f"{reason}; nothing was translated. Truncate the input (max_source_length=...) or split "
+                             "it into sentences.")
     order = sorted(range(len(sentences)), key=lambda i: len(encoded[i]))
     outputs: list[str | None] = [None] * len(sentences)
     if num_beams is not None:
@@ -75,14 +88,22 @@ def translate_sentences(
             batch = tokenizer.pad({"input_ids": [encoded[i] for i in index]}, return_tensors="pt")
             batch = {k: v.to(device) for k, v in batch.items()}
             new_tokens = max_new_tokens if max_new_tokens is not None else batch["input_ids"].shape[1] + 50
-            # max_length counts the decoder start token too.
-            ids = generate(model, **batch, max_length=new_tokens + 1, **generate_kwargs)
+            # max_length counts the decoder start token too; outputs stop where the model's positions end.
+            max_length = new_tokens + 1 if limit is None else min(new_tokens + 1, limit)
+            ids = generate(model, **batch, max_length=max_length, **generate_kwargs)
             texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
             for i, text in zip(index, texts):
                 outputs[i] = text.strip()
             if progress is not None:
                 progress(len(index))
     return outputs  # type: ignore[return-value]
+
+
+def _position_limit(model) -> int | None:
+    """The most positions a source or target of `model` may have (`VaswaniConfig.max_positions`), or `None` for
+    another model."""
+    return getattr(model.config, "max_positions", None) if getattr(model.config, "model_type", None) == "vaswani" \
+        else None
 
 
 __all__ = ["translate_sentences"]

@@ -33,7 +33,12 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
@@ -116,17 +121,28 @@ class VaswaniSinusoidalPositionalEncoding(nn.Module):
 
     Not a parameter and not stored in checkpoints (a non-persistent buffer filled in `_init_weights`, so it is
     right after `from_pretrained`, which builds models on the meta device). `reserve(n)` grows the table to n
-    positions; the stacks call it before they embed, outside compiled code, so inputs of any length work in eager
-    mode, while a compiled or exported forward only reads the table (its length checked with `torch._check`).
+    positions, up to `limit` (`config.max_positions`); the stacks call it before they embed, outside compiled code,
+    so inputs of any length up to it work in eager mode, while a compiled or exported forward only reads the table
+    (its length checked with `torch._check`).
     """
 
-    def __init__(self, num_positions: int, d_model: int):
+    def __init__(self, num_positions: int, d_model: int, limit: int | None = None):
         super().__init__()
-        self.d_model = d_model
+        self.d_model, self.limit = d_model, limit
         self.register_buffer("weight", sinusoidal_table(num_positions, d_model), persistent=False)
 
     def reserve(self, num_positions: int) -> None:
-        """Grow the table to hold at least `num_positions` positions (doubling, so growth is rare)."""
+        """Grow the table to hold at least `num_positions` positions (doubling, so growth is rare).
+
+        Raises:
+            ValueError: `num_positions` is more than `limit`, before the attention's S x S tensors are allocated.
+        """
+        if self.limit is not None and num_positions > self.limit:
+            raise ValueError(
+                f"Sequence of {num_positions} tokens is longer than the {self.limit} positions this model attends "
+                f"over: sinusoidal positions extrapolate, but attention would hold {num_positions}^2 scores per head "
+                f"and sentence ({num_positions**2 * 4 / 2**30:.1f} GiB in fp32). Split the text into sentences or "
+                "truncate it (tokenizer truncation=True, max_length=...); config.max_position_embeddings raises it.")
         if num_positions > self.weight.shape[0]:
             size = max(int(num_positions), 2 * self.weight.shape[0])
             self.weight = sinusoidal_table(size, self.d_model, dtype=self.weight.dtype, device=self.weight.device)
@@ -170,7 +186,7 @@ def _embed_positions(embed_positions: nn.Module, start, length, needed, device) 
 def _positional_encoding(config: VaswaniConfig) -> nn.Module:
     if config.position_embedding_type == "learned":
         return VaswaniLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
-    return VaswaniSinusoidalPositionalEncoding(config.max_position_embeddings, config.d_model)
+    return VaswaniSinusoidalPositionalEncoding(config.max_position_embeddings, config.d_model, config.max_positions)
 
 
 # §3.2 Attention -------------------------------------------------------------------------------------------------------
@@ -581,12 +597,14 @@ class VaswaniEncoder(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutput:
+    ) -> BaseModelOutput | tuple:
         """
         Args:
             input_ids: `(B, S)` source token ids, or `inputs_embeds` `(B, S, D)` (unscaled, like `embed_tokens`).
             attention_mask: `(B, S)`, 1 for tokens and 0 for padding.
+            return_dict: `False` returns the output's tuple (`config.return_dict` when `None`, True by default).
         Returns:
             `BaseModelOutput` with `last_hidden_state` `(B, S, D)`; `hidden_states` (N + 1 tensors, the embeddings
             first) and `attentions` (N tensors `(B, H, S, S)`) when asked for. In CPU training the layers run on the
@@ -619,9 +637,10 @@ class VaswaniEncoder(nn.Module):
             hidden_states = tokens.pad(hidden_states)  # (B, S, D)
         if output_hidden_states:
             all_hidden.append(hidden_states)
-        return BaseModelOutput(last_hidden_state=hidden_states,
-                               hidden_states=tuple(all_hidden) if output_hidden_states else None,
-                               attentions=tuple(all_attn) if output_attentions else None)
+        output = BaseModelOutput(last_hidden_state=hidden_states,
+                                 hidden_states=tuple(all_hidden) if output_hidden_states else None,
+                                 attentions=tuple(all_attn) if output_attentions else None)
+        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
 class VaswaniDecoder(VaswaniEncoder):
@@ -644,8 +663,9 @@ class VaswaniDecoder(VaswaniEncoder):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         labels: torch.Tensor | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> dict:
+    ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
         """
         Args:
             input_ids: `(B, T)` target ids (the new ones only when `past_key_values` holds P earlier positions),
@@ -655,10 +675,12 @@ class VaswaniDecoder(VaswaniEncoder):
             labels: `(B, T)` labels of a training step (-100: no loss), only to know which positions it needs: in CPU
                 training the layers run on each row's positions up to its last label, and on real source tokens,
                 only (`RealTokens`); `last_hidden_state` is then 0 at the positions left out.
+            return_dict: `False` returns the output's tuple (`config.return_dict` when `None`, True by default).
         Returns:
-            a dict with `last_hidden_state` `(B, T, D)`, `past_key_values` (the cache, whichever keyword brought
-            it: `cache=` as transformers >= 5.24 names it, or `past_key_values=`), and when asked for `hidden_states`,
-            `attentions` `(B, H, T, P + T)` and `cross_attentions` `(B, H, T, S)` per layer.
+            `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state` `(B, T, D)`, the cache (whichever
+            keyword brought it, `cache=` or `past_key_values=`, under the installed transformers' name, `CACHE_NAME`)
+            and when asked for `hidden_states`, `attentions` `(B, H, T, P + T)` and `cross_attentions` `(B, H, T, S)`
+            per layer.
         """
         past_key_values = _one_cache(past_key_values, cache)
         if (input_ids is None) == (inputs_embeds is None):
@@ -708,13 +730,14 @@ class VaswaniDecoder(VaswaniEncoder):
             hidden_states = tokens.pad(hidden_states)  # (B, T, D)
         if output_hidden_states:
             all_hidden.append(hidden_states)
-        return {
-            "last_hidden_state": hidden_states,
-            "past_key_values": past_key_values if use_cache else None,
-            "hidden_states": tuple(all_hidden) if output_hidden_states else None,
-            "attentions": tuple(all_self) if output_attentions else None,
-            "cross_attentions": tuple(all_cross) if output_attentions else None,
-        }
+        output = BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            **{CACHE_NAME: past_key_values if use_cache else None},
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=tuple(all_self) if output_attentions else None,
+            cross_attentions=tuple(all_cross) if output_attentions else None,
+        )
+        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
 # §3.4 Embeddings shared three ways, and the model ---------------------------------------------------------------------
@@ -788,7 +811,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-                                           output_hidden_states=output_hidden_states)
+                                           output_hidden_states=output_hidden_states, return_dict=True)
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -800,18 +823,19 @@ class VaswaniModel(VaswaniPreTrainedModel):
             input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
             cache=past_key_values, inputs_embeds=decoder_inputs_embeds, use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, labels=labels)
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, labels=labels,
+            return_dict=True)
         output = Seq2SeqModelOutput(
-            last_hidden_state=decoder_outputs["last_hidden_state"],
-            **{CACHE_NAME: decoder_outputs["past_key_values"]},
-            decoder_hidden_states=decoder_outputs["hidden_states"],
-            decoder_attentions=decoder_outputs["attentions"],
-            cross_attentions=decoder_outputs["cross_attentions"],
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            **{CACHE_NAME: getattr(decoder_outputs, CACHE_NAME)},
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
 class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationMixin):
@@ -899,7 +923,8 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask, encoder_outputs=encoder_outputs, cache=past_key_values,
             inputs_embeds=inputs_embeds, decoder_inputs_embeds=decoder_inputs_embeds, use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, labels=labels)
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states, labels=labels,
+            return_dict=True)
         hidden_states = outputs.last_hidden_state
         if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -942,12 +967,13 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
              label_smoothing: float = 0.0) -> torch.Tensor:
         """Cross-entropy, label-smoothed by `label_smoothing` (§5.4 trains with 0.1), summed over labelled tokens and
-        divided by `num_items_in_batch` (default: the number of labels != -100 in `labels`).
+        divided by `num_items_in_batch` (default: the number of labels != -100 in `labels`). A batch without labelled
+        tokens has the sum over none, 0, as its loss (as fairseq's), still in the graph: a step on it changes nothing.
         `logits` `(B, T, V)`, `labels` `(B, T)` -> scalar."""
         labels = labels.to(logits.device)
         check_labels(labels, logits.size(-1))
@@ -955,9 +981,9 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
                                 reduction="sum", label_smoothing=label_smoothing)
         if num_items_in_batch is None:
             num_items_in_batch = labels.ne(-100).sum()
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(total.device)
-        return total / num_items_in_batch
+        if torch.is_tensor(num_items_in_batch):  # clamped: 0 / 0 would be NaN where the sum is 0
+            return total / num_items_in_batch.to(total.device).clamp(min=1)
+        return total / max(num_items_in_batch, 1)
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
