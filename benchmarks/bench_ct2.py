@@ -1,4 +1,5 @@
-"""Translation speed of the CTranslate2 export (float32 and int8) against our `generate()`, on the same inputs.
+"""Translation speed of the CTranslate2 export (float32 and int8) and of our model quantized to int8 in PyTorch
+against our `generate()`, on the same inputs.
 
 Two modes:
 
@@ -11,9 +12,11 @@ Two modes:
   `</s>`, so every output is forced to exactly `--new_tokens` tokens in both engines (`min_new_tokens` /
   `min_decoding_length`), which keeps the work equal.
 
-Measurements alternate the engines (ours, CT2 fp32, CT2 int8, then rotated) and report medians of sentences per
-second and the ratios to ours; absolute numbers on a shared machine mean little. Both run on the CPU with the same
-number of threads (`--threads`, default torch's). CT2 int8 is CTranslate2's `compute_type="int8"` on the float32
+Measurements alternate the engines (ours, torch int8, CT2 fp32, CT2 int8, then rotated) and report medians of
+sentences per second, the ratios to ours and torch int8's ratio to CT2 int8; absolute numbers on a shared machine mean
+little. All run on the CPU with the same number of threads (`--threads`, default torch's). Torch int8 is our
+`generate()` on `torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)` (int8 weights with a
+scale per tensor, activations quantized per call); CT2 int8 is CTranslate2's `compute_type="int8"` on the float32
 export (weights quantized when loading, the same as exporting with `--quantization int8`).
 
     python benchmarks/bench_ct2.py --preset base --vocab_size 8000 --sentences 64 --new_tokens 30
@@ -31,9 +34,11 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -45,7 +50,7 @@ from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration  # noqa: E
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
-ENGINES = ("ours", "ct2_float32", "ct2_int8")
+ENGINES = ("ours", "torch_int8", "ct2_float32", "ct2_int8")
 PRESETS = {
     "base": dict(d_model=512, encoder_layers=6, decoder_layers=6, num_heads=8, d_ff=2048),
     "big": dict(d_model=1024, encoder_layers=6, decoder_layers=6, num_heads=16, d_ff=4096),
@@ -74,17 +79,17 @@ def bench_ct2(
     repetitions: int = 3,
     engines: tuple[str, ...] = ENGINES,
 ) -> dict:
-    """Time our `generate()` and the CTranslate2 export on the same sources.
+    """Time our `generate()`, the same on the int8-quantized model and the CTranslate2 export on the same sources.
 
     Args:
-        model: the model (exported to a temporary folder here).
+        model: the model (exported to a temporary folder here; quantized to a copy for "torch_int8").
         tokenizer: its tokenizer, with `sentences`; or `None` with `inputs` (lists of ids ending in `</s>`).
         new_tokens: force exactly this many output tokens in every engine (for untrained models); `None` lets the
             model stop at `</s>` (at most the longest source of the batch + 50 tokens).
         threads: CPU threads for both engines (default `torch.get_num_threads()`).
     Returns:
         `{"sentences_per_second": {engine: median}, "ratio_to_ours": {...}, "agreement_with_ours": {...},
-        "runs": {engine: [seconds, ...]}, ...}`.
+        "torch_int8_to_ct2_int8": ratio or None, "runs": {engine: [seconds, ...]}, ...}`.
     """
     import ctranslate2
 
@@ -119,21 +124,29 @@ def bench_ct2(
                                                     inter_threads=1, compute_type=name.split("_")[1])
                        for name in engines if name.startswith("ct2_")}
 
+    models = {"ours": model}
+    if "torch_int8" in engines:
+        with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao; it still works
+            warnings.simplefilter("ignore")
+            models["torch_int8"] = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
     outputs: dict[str, list] = {}
 
-    def run_ours():
-        results = []
-        with torch.inference_mode():
-            for ids, mask in tensor_batches:
-                limit = new_tokens if new_tokens is not None else ids.shape[1] + 50
-                extra = {"min_new_tokens": new_tokens} if new_tokens is not None else {}
-                out = model.generate(input_ids=ids, attention_mask=mask, num_beams=num_beams,
-                                     length_penalty=length_penalty, early_stopping=True, max_new_tokens=limit,
-                                     **extra)
-                for row in out.tolist():
-                    words = [vocabulary[t] for t in row[1:] if t not in (0, 2)]
-                    results.append(words)
-        outputs["ours"] = results
+    def run_torch(name):
+        def run():
+            results = []
+            with torch.inference_mode():
+                for ids, mask in tensor_batches:
+                    limit = new_tokens if new_tokens is not None else ids.shape[1] + 50
+                    extra = {"min_new_tokens": new_tokens} if new_tokens is not None else {}
+                    out = models[name].generate(input_ids=ids, attention_mask=mask, num_beams=num_beams,
+                                                length_penalty=length_penalty, early_stopping=True,
+                                                max_new_tokens=limit, **extra)
+                    for row in out.tolist():
+                        words = [vocabulary[t] for t in row[1:] if t not in (0, 2)]
+                        results.append(words)
+            outputs[name] = results
+        return run
 
     def run_ct2(name):
         def run():
@@ -147,7 +160,7 @@ def bench_ct2(
             outputs[name] = results
         return run
 
-    functions = {name: (run_ours if name == "ours" else run_ct2(name)) for name in engines}
+    functions = {name: (run_torch(name) if name in models else run_ct2(name)) for name in engines}
     for function in functions.values():  # warm-up (first calls allocate caches)
         function()
     runs: dict[str, list[float]] = {name: [] for name in engines}
@@ -173,6 +186,8 @@ def bench_ct2(
         "output_tokens": generated,
         "sentences_per_second": rates,
         "ratio_to_ours": {name: rates[name] / rates["ours"] for name in engines if "ours" in rates},
+        "torch_int8_to_ct2_int8": (rates["torch_int8"] / rates["ct2_int8"]
+                                   if {"torch_int8", "ct2_int8"} <= set(rates) else None),
         "agreement_with_ours": agreement,
         "runs": runs,
         "ctranslate2_version": __import__("ctranslate2").__version__,
@@ -189,6 +204,8 @@ def print_report(results: dict) -> None:
         agree = results["agreement_with_ours"].get(name)
         print(f"{name:<14}{rate:>10.2f}{(f'{ratio:.2f}x' if ratio else ''):>10}"
               f"{(f'{agree:.0%}' if agree is not None else ''):>13}")
+    if results.get("torch_int8_to_ct2_int8") is not None:
+        print(f"torch int8 / CT2 int8: {results['torch_int8_to_ct2_int8']:.2f}x")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
