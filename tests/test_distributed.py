@@ -11,7 +11,9 @@ steps can amplify where a gradient entry is near zero. The tests allow LOSS_RTOL
 PARAM_ATOL on the parameters; a wrong normalization (e.g. the mean of per-batch means) is off by percents. With 2
 processes over gloo the runs agree to the bit (observed): a sum of two terms does not depend on the order, and the
 x2 / 2 of the rescaling and of DDP's averaging is exact in binary floating point. The two ranks of one run hold
-bitwise identical parameters (same all-reduced gradients, same optimizer), which is asserted exactly.
+bitwise identical parameters (same all-reduced gradients, same optimizer), which is asserted exactly. Every process,
+this one included, multiplies with BLAS (VASWANI_CPU_MATMUL=blas): the kernels would otherwise time oneDNN against
+BLAS in each process, and two processes that pick differently round differently.
 """
 
 import json
@@ -31,6 +33,18 @@ CONFIGS = ROOT / "training" / "accelerate_configs"
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4  # about 2% of the first update's learning rate (5.6e-3 for the tiny preset)
 STEPS = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def blas_matmul():
+    """This process and the ones it launches multiply with BLAS: the per-process timed choice could differ."""
+    from vaswani_hf import kernels_vaswani
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VASWANI_CPU_MATMUL", "blas")
+        kernels_vaswani.cpu_training_matmul.cache_clear()
+        yield
+    kernels_vaswani.cpu_training_matmul.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +86,9 @@ def launched(data):
     cache = data["root"] / "cache_two"
     trainer_flags = flags(data, out / "trainer", cache, *TRAINER_FLAGS, test=False)
     no_trainer_flags = flags(data, out / "no_trainer", cache, *NO_TRAINER_FLAGS, test=False)
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # VASWANI_CPU_MATMUL: the same matmul library (and rounding) as the single-process references, not a timed pick.
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "VASWANI_CPU_MATMUL": "blas"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"),
                "--main_process_port", str(free_port()), str(ROOT / "tests" / "_distributed_worker.py"), str(out),
                json.dumps(trainer_flags), json.dumps(no_trainer_flags)]
@@ -284,7 +300,7 @@ def test_checkpoint_and_flag_errors_are_clear(tmp_path, monkeypatch):
     check_distributed(2)
 
 
-# -- the shipped accelerate configs -------------------------------------------------------------------------------------
+# -- the shipped accelerate configs ------------------------------------------------------------------------------------
 
 def launch_env(config: str):
     """What `accelerate launch --config_file CONFIG` puts in the environment of the processes it starts."""

@@ -1,13 +1,15 @@
 """Faults during training, run for real: training/train.py in subprocesses on the tiny preset and 160 Multi30k pairs.
 
-- SIGKILL after a checkpoint, then `--resume_from_checkpoint last`: the resumed run continues exactly as a run that was
-  never interrupted (same per-step losses, gradient norms, learning rates and epochs, same final weights, optimizer,
-  scheduler and RNG state), with dropout on.
+- SIGKILL once checkpoint-4 is complete (a callback the run's own process calls after Trainer has written the
+  checkpoint's last file, so the kill lands at the same point on every machine, however busy), then
+  `--resume_from_checkpoint last`: the resumed run continues exactly as a run that was never interrupted (same
+  per-step losses, gradient norms, learning rates and epochs, same final weights, optimizer, scheduler and RNG state),
+  with dropout on.
 - Newer incomplete checkpoints (a kill while saving) are skipped with a warning, never resumed from.
 - SIGINT stops training cleanly: exit code 0, a complete checkpoint of the last step, the model and metrics.json.
 
-Each run uses one thread (OMP_NUM_THREADS=1) and eval is off; on an idle 2-core machine the module takes well under a
-minute.
+Each run uses one thread (OMP_NUM_THREADS=1), multiplies with BLAS (VASWANI_CPU_MATMUL=blas, so that the processes
+compared round alike) and has eval off; on an idle 2-core machine the module takes well under a minute.
 """
 
 import json
@@ -17,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -35,18 +36,46 @@ ARGS = ["--preset", "tiny", "--max_train_samples", "160", "--max_test_samples", 
         "--save_steps", "2", "--save_total_limit", "20", "--logging_steps", "1", "--eval_strategy", "no",
         "--num_samples", "0", "--disable_tqdm", "true", "--cpu_bf16", "no", "--seed", "3"]
 TIMEOUT = 900  # seconds; a guard for a busy shared machine, not a timing assertion
+KILL_STEP = 4
+# train.py with a callback that SIGKILLs its own process once checkpoint-<step> is complete: Trainer calls on_save
+# after _save_checkpoint has written the weights, optimizer, scheduler, RNG state and, last, trainer_state.json.
+KILLED_AT_CHECKPOINT = """
+import os, signal, sys
+from transformers import TrainerCallback
+import vaswani_training.train as train
+
+step = int(sys.argv.pop(1))
+
+class KillAfterCheckpoint(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+init = train.PaperTrainer.__init__
+
+def __init__(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self.add_callback(KillAfterCheckpoint())
+
+train.PaperTrainer.__init__ = __init__
+sys.exit(train.cli())
+"""
 
 
 def _env():
+    # VASWANI_CPU_MATMUL: each process would otherwise time oneDNN against BLAS and may pick another library (and
+    # rounding) than the run it is compared with.
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1", VASWANI_CPU_MATMUL="blas")
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def _start(output_dir: Path, cache: Path, *extra: str, log: Path) -> subprocess.Popen:
+def _start(output_dir: Path, cache: Path, *extra: str, log: Path, kill_at: int | None = None) -> subprocess.Popen:
+    """train.py in a subprocess; with `kill_at`, SIGKILLed by its own callback once checkpoint-<kill_at> is complete."""
     handle = open(log, "w")
-    return subprocess.Popen([sys.executable, str(TRAIN), *ARGS, "--output_dir", str(output_dir),
+    command = [str(TRAIN)] if kill_at is None else ["-c", KILLED_AT_CHECKPOINT, str(kill_at)]
+    return subprocess.Popen([sys.executable, *command, *ARGS, "--output_dir", str(output_dir),
                              "--cache_dir", str(cache), *extra],
                             stdout=handle, stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT))
 
@@ -74,26 +103,19 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory, cache):
-    """A reference run, and a run SIGKILLed after its checkpoint-4 then resumed with `--resume_from_checkpoint last`
-    past two planted incomplete checkpoints."""
+    """A reference run, and a run SIGKILLed once its checkpoint-4 is complete, then resumed with
+    `--resume_from_checkpoint last` past two planted incomplete checkpoints."""
     base = tmp_path_factory.mktemp("resume")
     reference_dir, victim_dir = base / "reference", base / "victim"
     reference = _start(reference_dir, cache, log=base / "reference.log")
-    victim = _start(victim_dir, cache, log=base / "victim.log")
-
-    # Kill as soon as checkpoint-4 is complete: its trainer_state.json, written last, exists and is whole (the file
-    # appears before Trainer has finished writing it; a kill in between leaves checkpoint-4 incomplete).
-    deadline = time.monotonic() + TIMEOUT
-    fourth = victim_dir / "checkpoint-4"
-    while not ((fourth / "trainer_state.json").is_file() and not checkpoint_problems(fourth)):
-        assert victim.poll() is None, f"the run ended before checkpoint-4:\n{(base / 'victim.log').read_text()[-4000:]}"
-        assert time.monotonic() < deadline, "no checkpoint-4 within the time limit"
-        time.sleep(0.005)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=60)
-    assert victim.returncode == -signal.SIGKILL
-    assert not (victim_dir / f"checkpoint-{MAX_STEPS}").exists() and not (victim_dir / "metrics.json").exists(), \
-        "the kill came after the run had finished; nothing was interrupted"
+    victim = _start(victim_dir, cache, log=base / "victim.log", kill_at=KILL_STEP)
+    victim.wait(timeout=TIMEOUT)
+    assert victim.returncode == -signal.SIGKILL, \
+        f"train.py exited with {victim.returncode}:\n{(base / 'victim.log').read_text()[-4000:]}"
+    # The kill came at its event: checkpoint-4 complete, nothing after it.
+    assert sorted(_step(p) for p in victim_dir.glob("checkpoint-*")) == list(range(2, KILL_STEP + 1, 2))
+    assert checkpoint_problems(victim_dir / f"checkpoint-{KILL_STEP}") == []
+    assert not (victim_dir / "metrics.json").exists() and not (victim_dir / "model.safetensors").exists()
 
     complete = [p for p in victim_dir.glob("checkpoint-*") if not checkpoint_problems(p)]
     last_complete = max(complete, key=_step)
@@ -148,7 +170,7 @@ def test_incomplete_checkpoints_are_detected_and_skipped(killed_and_resumed):
 def test_resumed_run_continues_exactly_as_the_uninterrupted_one(killed_and_resumed):
     run = killed_and_resumed
     resume_step = run["resume_step"]
-    assert 4 <= resume_step < MAX_STEPS
+    assert resume_step == KILL_STEP
     reference = _steps_logged(run["reference_dir"] / f"checkpoint-{MAX_STEPS}" / "trainer_state.json")
     resumed = _steps_logged(run["victim_dir"] / f"checkpoint-{MAX_STEPS}" / "trainer_state.json")
     assert sorted(reference) == sorted(resumed) == list(range(1, MAX_STEPS + 1))
