@@ -27,6 +27,7 @@ from vaswani_hf.data import (
     read_lines,
     read_parallel_jsonl,
     read_parallel_text,
+    split_lines,
     tokenize_dataset,
 )
 
@@ -167,6 +168,17 @@ def test_unicode_line_separator_does_not_split(tmp_path):
     write(tmp_path / "p.en", "x\ny\n")
     pt = read_parallel_text(tmp_path / "p", "de", "en")
     assert pt.source == ["a\u2028b", "c"]
+
+
+def test_cr_only_line_ends_are_lines(tmp_path):
+    """Files saved with old Mac line ends (a lone \\r) hold one sentence a line, as Python's text mode reads them."""
+    write(tmp_path / "p.de", "Ein Hund.\rZwei Katzen.\rDrei Vögel.\r")
+    write(tmp_path / "p.en", "A dog.\r\nTwo cats.\nThree birds.")
+    pt = read_parallel_text(tmp_path / "p", "de", "en")
+    assert pt.source == ["Ein Hund.", "Zwei Katzen.", "Drei Vögel."]
+    assert pt.target == ["A dog.", "Two cats.", "Three birds."]
+    assert split_lines("a\r\rb\r\nc\nU+2028 \u2028 stays\n".encode()) == [b"a", b"", b"b", b"c",
+                                                                      "U+2028 \u2028 stays".encode()]
 
 
 # ----------------------------------------------------------------------------------------------- JSON lines

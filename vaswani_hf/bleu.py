@@ -23,7 +23,7 @@ import os
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import sacrebleu
 
@@ -119,8 +119,8 @@ def moses_lc_tokenize(sentences: Sequence[str], lang: str) -> list[str]:
 
 def compute_bleu(
     hypotheses: Sequence[str],
-    references: Optional[RefsArg] = None,
-    lowercase_tokenized_references: Optional[RefsArg] = None,
+    references: RefsArg | None = None,
+    lowercase_tokenized_references: RefsArg | None = None,
     *,
     target_lang: str = "en",
     tokenized_method: str = "moses",

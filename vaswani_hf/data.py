@@ -24,10 +24,11 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -42,8 +43,10 @@ __all__ = [
     "DataError",
     "ParallelText",
     "read_lines",
+    "split_lines",
     "read_parallel_text",
     "read_parallel_jsonl",
+    "parallel_files",
     "load_parallel_dataset",
     "multi30k_dir",
     "multi30k_file",
@@ -76,12 +79,26 @@ def _open_binary(path: Path):
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def split_lines(raw: bytes) -> list[bytes]:
+    """Bytes -> lines without their ends: ``\\n``, ``\\r\\n`` and a lone ``\\r`` end a line (so a file with
+    CR-only line ends is not read as one long line); Unicode separators such as U+2028 do not. A trailing line end
+    adds no empty line."""
+    chunks = _LINE_END.split(raw)
+    if chunks and chunks[-1] == b"":
+        chunks.pop()
+    return chunks
+
+
 def read_lines(path: PathLike) -> list[str]:
     """Read a UTF-8 text file (plain or ``.gz``) as a list of lines, one sentence a line.
 
-    Lines are split on ``\\n`` only (so U+2028 and other Unicode separators inside a sentence never shift the
-    alignment with the other language), the line end (``\\n`` or ``\\r\\n``) is removed and surrounding
-    whitespace is stripped. A final line without ``\\n`` counts as a line; a trailing ``\\n`` does not add one.
+    Lines end at ``\\n``, ``\\r\\n`` or a lone ``\\r`` (Python's universal newlines: files saved with old Mac
+    line ends hold one sentence a line too), never at U+2028 or other Unicode separators inside a sentence, which
+    would shift the alignment with the other language (:func:`split_lines`). The line end is removed and surrounding
+    whitespace is stripped. A final line without a line end counts as a line; a trailing line end does not add one.
 
     Raises:
         DataError: the file does not exist, is empty (no lines), is not valid gzip, or has non-UTF-8 bytes
@@ -94,10 +111,9 @@ def read_lines(path: PathLike) -> list[str]:
         with _open_binary(path) as f:
             raw = f.read()
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
-        raise DataError(f"{path}: cannot read the file ({e}). If it is not gzip-compressed, drop the .gz suffix.") from None
-    chunks = raw.split(b"\n")
-    if chunks and chunks[-1] == b"":
-        chunks.pop()
+        raise DataError(f"{path}: cannot read the file ({e}). If it is not gzip-compressed, drop the .gz "
+                        f"suffix.") from None
+    chunks = split_lines(raw)
     if not chunks:
         raise DataError(f"{path}: file is empty (0 lines). Expected one sentence per line.")
     lines = []
@@ -312,6 +328,19 @@ def _to_dataset(pt: ParallelText):
     return ds
 
 
+def parallel_files(source: PathLike, source_lang: str, target_lang: str) -> list[Path]:
+    """The files a source of :func:`load_parallel_dataset` reads: the JSON-lines file, or the two files
+    ``{prefix}.{lang}[.gz]`` of a prefix (as found on disk; ``{prefix}.{lang}`` where neither exists)."""
+    path = Path(source)
+    if _is_jsonl(path):
+        return [path]
+    files = []
+    for lang in (source_lang, target_lang):
+        plain, gz = Path(f"{path}.{lang}"), Path(f"{path}.{lang}.gz")
+        files.append(gz if gz.is_file() and not plain.is_file() else plain)
+    return files
+
+
 def _load_split(source: PathLike, source_lang: str, target_lang: str, empty_lines: str):
     p = Path(source)
     if _is_jsonl(p):
@@ -363,14 +392,14 @@ def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hu
 
 
 def load_parallel_dataset(
-    sources: Union[PathLike, Mapping[str, PathLike], None] = None,
+    sources: PathLike | Mapping[str, PathLike] | None = None,
     source_lang: str = "de",
     target_lang: str = "en",
     *,
     empty_lines: str = "skip",
-    hub_dataset: Optional[str] = None,
-    hub_config: Optional[str] = None,
-    hub_kwargs: Optional[Mapping[str, Any]] = None,
+    hub_dataset: str | None = None,
+    hub_config: str | None = None,
+    hub_kwargs: Mapping[str, Any] | None = None,
 ):
     """Load sentence pairs as ``datasets`` objects with records ``{"translation": {src: ..., tgt: ...}}``.
 
@@ -495,10 +524,10 @@ def tokenize_dataset(
     tokenizer,
     source_lang: str,
     target_lang: str,
-    max_length: Optional[int] = None,
+    max_length: int | None = None,
     *,
-    max_target_length: Optional[int] = None,
-    num_proc: Optional[int] = None,
+    max_target_length: int | None = None,
+    num_proc: int | None = None,
     batch_size: int = 1000,
     keep_translation: bool = False,
 ):
@@ -639,10 +668,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def __init__(
         self,
         src_lengths: Sequence[int],
-        tgt_lengths: Optional[Sequence[int]] = None,
+        tgt_lengths: Sequence[int] | None = None,
         max_tokens: int = 4096,
         *,
-        max_sentences: Optional[int] = None,
+        max_sentences: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         num_replicas: int = 1,
@@ -726,7 +755,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """Set the epoch used (with ``seed``) for tie-breaking and batch shuffling. Call before each epoch."""
         self.epoch = int(epoch)
 
-    def global_batches(self, epoch: Optional[int] = None) -> list[list[int]]:
+    def global_batches(self, epoch: int | None = None) -> list[list[int]]:
         """All batches of ``epoch`` (default: current) before the per-rank split, in iteration order."""
         epoch = self.epoch if epoch is None else int(epoch)
         batches = self._make_batches(self._order(epoch))
@@ -755,7 +784,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
 
 def padding_fraction(
-    batches: Sequence[Sequence[int]], src_lengths: Sequence[int], tgt_lengths: Optional[Sequence[int]] = None
+    batches: Sequence[Sequence[int]], src_lengths: Sequence[int], tgt_lengths: Sequence[int] | None = None
 ) -> float:
     """Fraction of token slots that are padding when each batch's sources are padded to the batch's longest
     source and targets to the longest target (what ``DataCollatorForSeq2Seq`` does), summed over both sides:
