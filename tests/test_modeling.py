@@ -699,6 +699,9 @@ def test_resize_token_embeddings_without_full_sharing(overrides, tmp_path):
     ids, target = torch.tensor([[5, 119, 2]]), torch.tensor([[1, 40]])
     torch.testing.assert_close(reloaded(input_ids=ids, decoder_input_ids=target).logits,
                                model(input_ids=ids, decoder_input_ids=target).logits)
+    # transformers' resizing puts a new plain nn.Linear in place of an untied lm_head: generate() still runs (packed)
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=4), reloaded.generate(input_ids=ids,
+                                                                                         max_new_tokens=4))
 
 
 def test_checkpoints_with_fused_input_projections_still_load(tmp_path):

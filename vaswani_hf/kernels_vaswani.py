@@ -407,7 +407,7 @@ def packed_cpu_linears(model: nn.Module):
     wanted = (model.use_cpu_packed_linears and has_onednn_linear() and linears
               and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-              and all(m.packed_weight is None for m in linears))
+              and all(getattr(m, "packed_weight", None) is None for m in linears))
     if not wanted:
         yield False
         return
