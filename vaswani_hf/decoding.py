@@ -43,8 +43,9 @@ the search.
 
 The maximum length is per sentence: :class:`SourceLengthLimitLogitsProcessor` lets a hypothesis of sentence ``i``
 produce at most ``int(max_len_a * src_len_i + max_len_b)`` tokens (``src_len_i`` = the non-padding source tokens,
-``</s>`` included) by allowing only ``</s>`` as the last one, as fairseq does at its ``max_len``. The ``</s>`` keeps its
-model log-probability, so scores stay true log-probabilities of the returned tokens.
+``</s>`` included) by allowing only ``</s>`` as the last one, as fairseq does at its ``max_len``; never more than the
+decoder positions the model has (``config.max_positions`` less the start token: a learned table cannot go further).
+The ``</s>`` keeps its model log-probability, so scores stay true log-probabilities of the returned tokens.
 
 tensor2tensor, the paper's code, stops differently: it keeps extending a sentence while an unfinished hypothesis could
 still beat the finished ones under the penalty. The fairseq rule used here ends sooner; the two rarely choose
@@ -214,6 +215,14 @@ def _special_ids(model) -> tuple[int, int, int]:
     return pick("eos_token_id"), pick("pad_token_id"), pick("decoder_start_token_id")
 
 
+def _position_limited(model, limits: torch.Tensor) -> torch.Tensor:
+    """`limits` capped at the outputs the model's decoder positions allow: `config.max_positions` less the decoder
+    start token (a vaswani model; others unchanged)."""
+    positions = getattr(model.config, "max_positions", None) if getattr(model.config, "model_type", None) == \
+        "vaswani" else None
+    return limits if positions is None else limits.clamp(max=max(int(positions) - 1, 1))
+
+
 def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int, num_beams: int,
                   alpha: float, length_penalty_style: str) -> torch.Tensor:
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -266,7 +275,8 @@ def _first_eos_lengths(generated: torch.Tensor, eos: int) -> tuple[torch.Tensor,
     """``generated`` ``(N, T)`` (no start token) -> (|Y| up to and including the first ``</s>``, has-``</s>``)."""
     is_eos = generated.eq(eos)
     has_eos = is_eos.any(dim=1)
-    first = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, generated.shape[1], dtype=torch.long))
+    first = torch.where(has_eos, is_eos.int().argmax(dim=1),
+                        torch.full_like(has_eos, generated.shape[1], dtype=torch.long))
     return first + has_eos.long(), has_eos
 
 
@@ -305,8 +315,9 @@ def beam_search_hypotheses(
     eos, pad, start = _special_ids(model)
     attention_mask = _check_inputs(input_ids, attention_mask, pad, num_beams, 0.0, "gnmt")
     if num_beams < 2:
-        raise ValueError("beam_search_hypotheses needs num_beams >= 2; for greedy search use paper_generate(num_beams=1).")
-    limits = max_output_lengths(attention_mask, max_len_a, max_len_b).to(input_ids.device)
+        raise ValueError("beam_search_hypotheses needs num_beams >= 2; for greedy search use "
+                         "paper_generate(num_beams=1).")
+    limits = _position_limited(model, max_output_lengths(attention_mask, max_len_a, max_len_b).to(input_ids.device))
     batch = input_ids.shape[0]
     config = _generation_config(num_beams, int(limits.max()), eos, pad, start)
     config.update(early_stopping=True, length_penalty=0.0, num_return_sequences=num_beams, output_scores=True,
@@ -352,7 +363,8 @@ def paper_generate(
         num_beams: beam size (default 4); 1 is greedy search, where no length penalty applies.
         alpha: length-penalty exponent (default 0.6); 0 ranks hypotheses by raw log-probability.
         max_len_a, max_len_b: at most ``int(max_len_a * src_len + max_len_b)`` generated tokens, ``</s>`` included,
-            where ``src_len`` counts the non-padding source tokens (defaults 1 and 50).
+            where ``src_len`` counts the non-padding source tokens (defaults 1 and 50), and at most the decoder
+            positions the model has.
         length_penalty_style: ``"gnmt"`` (default): ``((5 + |Y|) / 6) ** alpha`` as in the paper; ``"hf"``:
             ``|Y| ** alpha`` as ``model.generate(length_penalty=alpha)`` (see the module docstring).
     Returns:
@@ -365,7 +377,8 @@ def paper_generate(
     eos, pad, start = _special_ids(model)
     attention_mask = _check_inputs(input_ids, attention_mask, pad, num_beams, alpha, length_penalty_style)
     if num_beams == 1:
-        limits = max_output_lengths(attention_mask, max_len_a, max_len_b).to(input_ids.device)
+        limits = _position_limited(model,
+                                   max_output_lengths(attention_mask, max_len_a, max_len_b).to(input_ids.device))
         config = _generation_config(1, int(limits.max()), eos, pad, start)
         with _only(model, config):
             sequences = model.generate(
