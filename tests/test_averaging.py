@@ -1,6 +1,14 @@
 """Checkpoint averaging (§6.1): exact parameter-wise means, last N by step number, tied weights, clear refusals."""
 
 import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +19,7 @@ from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.averaging import average_checkpoints, average_last_checkpoints, find_checkpoints
 from vaswani_training.average_checkpoints import main as average_main
 
+ROOT = Path(__file__).resolve().parent.parent
 STEPS = (200, 900, 1000, 10000)  # a plain string sort would put 10000 before 200 and 900
 
 
@@ -127,3 +136,110 @@ def test_command(run_dir, tmp_path, capsys):
     assert all(torch.equal(written[k], expected[k]) for k in expected)
     with pytest.raises(SystemExit, match="only 4"):
         average_main(["--checkpoint_dir", str(run_dir), "--num_checkpoints", "9", "--output_dir", str(out)])
+
+
+# Faults: nothing lost, nothing silent -------------------------------------------------------------------------------
+
+
+def _plant(folder, name="model.decoder.layers.0.fc2.bias", value=float("nan")):
+    """Overwrite one tensor of a saved checkpoint with `value` (a run that diverged saves NaN)."""
+    from safetensors.torch import save_file
+
+    weights = _weights(folder)
+    weights[name] = torch.full_like(weights[name], value)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_checkpoint_holding_nan_or_inf_is_refused_naming_it(run_dir, tmp_path, value):
+    _plant(run_dir / "checkpoint-1000", value=value)
+    with pytest.raises(ValueError, match=re.escape(str(run_dir / "checkpoint-1000" / "model.safetensors"))
+                       + r": 1 tensor\(s\) hold NaN or infinite values \(model.decoder.layers.0.fc2.bias\)"):
+        average_last_checkpoints(run_dir, 2, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit, match="hold NaN or infinite values"):
+        average_main(["--checkpoint_dir", str(run_dir), "--last", "3", "--output_dir", str(tmp_path / "cli")])
+    assert average_main(["--checkpoint_dir", str(run_dir), "--last", "1", "--output_dir", str(tmp_path / "ok")]) == 0
+
+
+def test_a_truncated_checkpoint_is_refused_naming_it(run_dir, tmp_path):
+    weights = run_dir / "checkpoint-1000" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(SystemExit) as error:
+        average_main(["--checkpoint_dir", str(run_dir), "--last", "2", "--output_dir", str(tmp_path / "out")])
+    assert f"{run_dir / 'checkpoint-1000'}: cannot average this checkpoint (model.safetensors is truncated" in str(
+        error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_output_never_replaces_a_checkpoint_or_another_folder(run_dir, tmp_path):
+    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoint-200").iterdir()}
+    for output in (run_dir / "checkpoint-200", run_dir / "checkpoint-20000"):  # an older checkpoint; a new name
+        with pytest.raises(SystemExit, match=r"a checkpoint-<step> name is read as a checkpoint"):
+            average_main(["--checkpoint_dir", str(run_dir), "--last", "1", "--output_dir", str(output)])
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoint-200").iterdir()} == before
+    assert not (run_dir / "checkpoint-20000").exists()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=r"is not an earlier averaged model .*todo.txt"):
+        average_main(["--checkpoint_dir", str(run_dir), "--last", "1", "--output_dir", str(notes)])
+    assert (notes / "todo.txt").read_text() == "mine"
+    # An earlier average is replaced, unless it holds something the new one would not write again.
+    averaged = tmp_path / "averaged"
+    assert average_main(["--checkpoint_dir", str(run_dir), "--last", "1", "--output_dir", str(averaged)]) == 0
+    assert average_main(["--checkpoint_dir", str(run_dir), "--last", "2", "--output_dir", str(averaged)]) == 0
+    assert len(json.loads((averaged / "averaged_from.json").read_text())["averaged_checkpoints"]) == 2
+    (averaged / "test_metrics.json").write_text('{"test_bleu": 30.0}')
+    with pytest.raises(SystemExit, match=r"earlier average but also holds test_metrics.json"):
+        average_main(["--checkpoint_dir", str(run_dir), "--last", "3", "--output_dir", str(averaged)])
+    assert len(json.loads((averaged / "averaged_from.json").read_text())["averaged_checkpoints"]) == 2
+
+
+KILLED_AVERAGE = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[1])
+    import vaswani_hf.averaging as averaging
+    from vaswani_training.average_checkpoints import main
+
+    write = averaging._atomic_write
+
+    def write_then_die(destination, function):
+        if destination.name == "averaged_from.json":  # the new weights are written: killed before the record
+            os.kill(os.getpid(), signal.SIGKILL)
+        write(destination, function)
+
+    averaging._atomic_write = write_then_die
+    main(["--checkpoint_dir", sys.argv[2], "--last", "3", "--output_dir", sys.argv[3]])
+    """
+)
+
+
+def test_a_kill_while_averaging_into_an_earlier_average_leaves_it_whole(run_dir, tmp_path):
+    """SIGKILL after the new weights are written but before averaged_from.json: the earlier average stays as it was
+    (its weights beside its own record), because the new one is written under a temporary name."""
+    out = tmp_path / "averaged"
+    assert average_main(["--checkpoint_dir", str(run_dir), "--last", "1", "--output_dir", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    script = tmp_path / "kill.py"
+    script.write_text(KILLED_AVERAGE)
+    result = subprocess.run([sys.executable, str(script), str(ROOT), str(run_dir), str(out)],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    recorded = json.loads((out / "averaged_from.json").read_text())["averaged_checkpoints"]
+    assert recorded == [str(run_dir / "checkpoint-10000")]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_averaged_folder_follows_the_umask(run_dir, tmp_path, umask):
+    out = tmp_path / "averaged"
+    previous = os.umask(umask)
+    try:
+        average_last_checkpoints(run_dir, 2, out)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes["model.safetensors"] == modes["averaged_from.json"] == modes["config.json"] == 0o666 & ~umask

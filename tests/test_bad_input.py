@@ -217,13 +217,80 @@ def test_learned_positions_refuse_long_input_when_translating_and_training(tmp_p
     assert not list((tmp_path / "nt").glob("*checkpoint-*"))
 
 
+@pytest.fixture
+def learned_folder(tmp_path, tiny_tokenizer):
+    """A saved tiny model with learned positions for 32 tokens (each of GERMAN is at most 29), and its tokenizer."""
+    folder = tmp_path / "learned"
+    make_tiny_model(vocab_size=len(tiny_tokenizer), position_embedding_type="learned",
+                    max_position_embeddings=32).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_commands_check_every_length_before_translating(learned_folder, tmp_path, tiny_tokenizer, monkeypatch):
+    """A line too long for the learned positions near the end of the input is refused, naming its line, before the
+    first batch is translated (nothing translated and thrown away)."""
+    import vaswani_hf.inference
+
+    long_line = " ".join(GERMAN[:3])
+    assert len(tiny_tokenizer(long_line)["input_ids"]) > 32
+    source = write(tmp_path / "in.de", f"{GERMAN[0]}\n\n{GERMAN[1]}\n{long_line}\n")
+
+    def never(*args, **kwargs):
+        raise AssertionError("translated before every length was checked")
+
+    monkeypatch.setattr(vaswani_hf.inference, "translate_sentences", never)
+    for style in ("hf", "gnmt"):
+        exits_with(lambda: translate_cli("--model", learned_folder, "--input", source, "--output", tmp_path / "out",
+                                         "--length_penalty_style", style),
+                   re.escape(f"{source}:4: the sentence is"), "more than the 32 positions this model takes")
+    assert not (tmp_path / "out").exists()
+    test = parallel(tmp_path / "test", german=[GERMAN[0], long_line], english=ENGLISH[:2])
+    exits_with(lambda: evaluate_cli("--model", learned_folder, "--test_file", test),
+               re.escape(f"{test}, pair 2: the sentence is"))
+
+
+def test_paper_decoding_stops_where_learned_positions_end(learned_folder, tmp_path, tiny_tokenizer):
+    """§6.1's input length + 50 would run past a 32-position table: the output stops at its end instead."""
+    from vaswani_hf.decoding import paper_generate
+
+    model = VaswaniForConditionalGeneration.from_pretrained(learned_folder).eval()
+    batch = tiny_tokenizer(GERMAN[:2], return_tensors="pt", padding=True)
+    for beams in (1, 2):
+        ids = paper_generate(model, batch["input_ids"], batch["attention_mask"], num_beams=beams)
+        assert ids.shape[1] <= 32  # the start token and at most 31 generated
+    source = write(tmp_path / "in.de", "\n".join(GERMAN[:4]) + "\n")
+    out = tmp_path / "out.en"
+    assert translate_cli("--model", learned_folder, "--input", source, "--output", out, "--length_penalty_style",
+                         "gnmt", "--num_beams", "2", "--device", "cpu") == 0
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 4
+
+
+def test_cr_only_input_is_translated_line_by_line(model_folder, tmp_path):
+    source = write(tmp_path / "in.de", f"{GERMAN[0]}\r{GERMAN[1]}\r\r{GERMAN[2]}\r".encode())
+    out = tmp_path / "out.en"
+    assert translate_cli("--model", model_folder, "--input", source, "--output", out, "--num_beams", "1",
+                         "--max_new_tokens", "3") == 0
+    lines = out.read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 5 and lines[2] == "" and lines[4] == "", lines  # 4 lines, the empty one kept
+
+
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
+def test_a_non_integer_batch_size_names_the_flag(model_folder, tmp_path, capsys, command):
+    run = translate_cli if command == "translate" else evaluate_cli
+    with pytest.raises(SystemExit) as error:
+        run("--model", model_folder, "--batch_size", "2.5")
+    assert error.value.code == 2 and "argument --batch_size: invalid int value: '2.5'" in capsys.readouterr().err
+
+
 # Generation arguments -----------------------------------------------------------------------------------------------
 
 
 def test_generate_rejects_out_of_range_arguments():
     model = make_tiny_model()
     ids = torch.tensor([[5, 6, 7, 2]])
-    # transformers itself fails on these with a ZeroDivisionError / a negative tensor dimension; ours says what is wrong.
+    # transformers itself fails on these with a ZeroDivisionError / a negative tensor dimension; ours says what is
+    # wrong.
     for name, value in (("num_beams", 0), ("num_beams", -1), ("num_beams", 2.5), ("num_return_sequences", 0)):
         with pytest.raises(ValueError, match=rf"generate\(\): {name} must be an integer >= 1, got {value}"):
             model.generate(input_ids=ids, **{name: value})
@@ -292,7 +359,7 @@ def test_empty_input_for_translation(model_folder, tmp_path, tiny_tokenizer, mon
 
 
 def test_translate_command_names_the_non_utf8_line_and_keeps_lines_aligned(model_folder, tmp_path, monkeypatch):
-    source = write(tmp_path / "in.de", "Ein Hund.\n".encode() + "Zwei Bäume.\n".encode("latin-1"))
+    source = write(tmp_path / "in.de", b"Ein Hund.\n" + "Zwei Bäume.\n".encode("latin-1"))
     exits_with(lambda: translate_cli("--model", model_folder, "--input", source),
                re.escape(f"{source}:2: not valid UTF-8 (byte b'\\xe4' at byte offset 6 of the line)"), "iconv")
     import io

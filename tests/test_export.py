@@ -7,6 +7,8 @@ import base64
 import json
 import os
 import re
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -18,9 +20,11 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import vaswani_hf
-from vaswani_training.export import EXPORTED_CODE, export_for_hub, main as export_main, push_folder
+from vaswani_training.export import EXPORTED_CODE, export_for_hub, push_folder
+from vaswani_training.export import main as export_main
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -165,7 +169,7 @@ def test_model_card_carries_the_runs_metrics_and_usage(exported, trained):
     assert values == {"SacreBLEU (detokenized)": (metrics["test_bleu"], metrics["test_bleu_signature"]),
                       "BLEU (lowercased, tokenized references)": (metrics["test_tok_bleu"],
                                                                   metrics["test_tok_bleu_signature"])}
-    assert f'repo = "someone/vaswani-tiny"' in readme and "trust_remote_code=True" in readme
+    assert 'repo = "someone/vaswani-tiny"' in readme and "trust_remote_code=True" in readme
     assert f"**{metrics['test_bleu']}**" in readme and metrics["test_bleu_signature"] in readme
     assert "non-commercial research and educational use" in readme and "elliott-etal-2016-multi30k" in readme
     assert "vaswani2017attention" in readme and 'pipeline("translation")' in readme
@@ -331,3 +335,125 @@ def test_no_trainer_loop_pushes_too(hub, tmp_path):
     assert commit["repo_id"] == "someone/no-trainer"
     assert commit["files"] == {p.name: p.read_bytes() for p in (out / "hub").iterdir()}
     assert set(commit["files"]) == HUB_FILES
+
+
+# The card tells the model's history; the export never pairs weights with another model's scores ------------------
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(trained, tmp_path_factory):
+    """The Multi30k run fine-tuned for 2 updates on two local files."""
+    from conftest import ENGLISH, GERMAN
+
+    from vaswani_training.train import main
+
+    data = tmp_path_factory.mktemp("data")
+    (data / "captions-2024.de").write_text("\n".join(GERMAN) + "\n", encoding="utf-8")
+    (data / "captions-2024.en").write_text("\n".join(ENGLISH) + "\n", encoding="utf-8")
+    prefix = str(data / "captions-2024")
+    out = tmp_path_factory.mktemp("fine-tuned")
+    main(["--preset", "tiny", "--output_dir", str(out), "--model_name_or_path", str(trained), "--train_file", prefix,
+          "--validation_file", prefix, "--test_file", prefix, "--max_steps", "2", "--eval_strategy", "no",
+          "--max_test_samples", "3", "--num_samples", "0", "--cpu_bf16", "no", "--disable_tqdm", "true",
+          "--report_to", "none"])
+    return out, prefix
+
+
+def test_the_card_of_a_fine_tuned_model_tells_its_history(fine_tuned, trained, tmp_path):
+    out, prefix = fine_tuned
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["base_model"] == str(trained) and metrics["base_model_local"] is True
+    assert metrics["data"] == {"kind": "files", "train": [f"{prefix}.de", f"{prefix}.en"],
+                               "validation": [f"{prefix}.de", f"{prefix}.en"], "test": [f"{prefix}.de", f"{prefix}.en"]}
+    assert metrics["train_steps"] == 2 and metrics["train_pairs"] == 20
+    assert metrics["base_model_history"]["dataset"] == "multi30k" and metrics["base_model_history"]["train_steps"] == 2
+    folder = export_for_hub(out, tmp_path / "card")
+    readme = (folder / "README.md").read_text(encoding="utf-8")
+    meta = front_matter(readme)
+    assert "from scratch" not in readme
+    assert (f"fine-tuned from `{trained}` (itself trained for 2 updates on Multi30k) with the paper's\nrecipe, to "
+            f"translate German into English on the files `{prefix}.de` and `{prefix}.en`\n(2 updates of "
+            f"fine-tuning).") in readme
+    assert f"Data: the files `{prefix}.de` and `{prefix}.en`, 20 training pairs." in readme
+    assert "datasets" not in meta, "a local file is no Hub dataset id"
+    assert "base_model" not in meta, "a local folder is no Hub model id"
+    assert meta["license"] == "other", "the base model's Multi30k terms carry over"
+    (result,) = meta["model-index"][0]["results"]
+    assert result["dataset"]["type"] == "custom" and "captions-2024" in result["dataset"]["name"]
+
+
+def test_the_card_of_a_model_trained_from_scratch_says_so(exported, trained):
+    readme = (exported / "README.md").read_text(encoding="utf-8")
+    assert "trained from scratch with the paper's\nrecipe, to translate German into English on Multi30k" in readme
+    assert "fine-tuned" not in readme
+
+
+def test_a_hub_base_model_and_dataset_go_into_the_metadata(trained):
+    from vaswani_training.export import card_data_for
+
+    metrics = {"dataset": "wmt14", "data": {"kind": "hub", "name": "wmt14", "config": "de-en"},
+               "base_model": "someone/vaswani-base", "base_model_local": False, "test_bleu": 20.0}
+    data = card_data_for(metrics, model_name="m", source_lang="de", target_lang="en")
+    assert data.base_model == "someone/vaswani-base" and data.datasets == ["wmt14"]
+
+
+def test_metrics_of_other_weights_are_refused(trained, tmp_path):
+    source = tmp_path / "run"
+    shutil.copytree(trained, source, ignore=shutil.ignore_patterns("hub"))
+    weights = source / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 0.01  # other weights than metrics.json scored
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(f"{source / 'metrics.json'} does not describe the weights in "
+                                                   f"{source} (it records the fingerprint of other weights")):
+        export_for_hub(source, tmp_path / "a")
+    metrics = json.loads((source / "metrics.json").read_text())
+    del metrics["weights_sha256"]  # metrics written before the weights were replaced, without a fingerprint
+    (source / "metrics.json").write_text(json.dumps(metrics))
+    os.utime(weights, (weights.stat().st_atime, (source / "metrics.json").stat().st_mtime + 60))
+    with pytest.raises(ValueError, match=r"\(it is older than the weights\)"):
+        export_for_hub(source, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_export_folder_follows_the_umask(trained, tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        folder = export_for_hub(trained, tmp_path / "export")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_the_template_is_installed_with_the_commands():
+    from vaswani_training.export import default_template
+
+    assert default_template().read_text(encoding="utf-8") == (ROOT / "model_card.md").read_text(encoding="utf-8")
+    assert (ROOT / "training" / "model_card.md").is_symlink(), "one template, at the repository root"
+
+
+def test_an_unreachable_hub_is_refused_before_any_work(trained, tmp_path, hub, monkeypatch):
+    import huggingface_hub.constants
+
+    from vaswani_hf.checks import CheckError
+    from vaswani_training.train import main as train_main
+
+    dead = "http://127.0.0.1:9"  # the discard port: nothing listens there
+    with pytest.raises(SystemExit, match=re.escape(f"--hub_endpoint {dead}: cannot be reached")):
+        export_main(["--model_dir", str(trained), "--output_dir", str(tmp_path / "x"), "--push_to_hub",
+                     "--hub_model_id", "a/b", "--hub_endpoint", dead])
+    assert not (tmp_path / "x").exists()
+    run = ["--preset", "tiny", "--output_dir", str(tmp_path / "run"), "--max_steps", "1", "--push_to_hub",
+           "--hub_model_id", "a/b"]
+    with pytest.raises(CheckError, match=re.escape(f"--hub_endpoint {dead}: cannot be reached")):
+        train_main([*run, "--hub_endpoint", dead])
+    with pytest.raises(CheckError, match=r"--hub_endpoint 'hf.co' is not an http\(s\) URL"):
+        train_main([*run, "--hub_endpoint", "hf.co"])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckError, match="HF_HUB_OFFLINE is set, so nothing could be uploaded"):
+        train_main(run)
+    assert not (tmp_path / "run").exists(), "refused before training"

@@ -108,8 +108,9 @@ CHECKED_WRITES = {
     ("training/train_no_trainer.py", "_run.save_model_hook", "save_pretrained"): "called by save_state into the tmp "
                                                                                 "checkpoint folder",
     ("vaswani_hf/averaging.py", "_atomic_copy", "copyfile"): "temporary file, then os.replace",
-    ("vaswani_hf/averaging.py", "save_averaged_model", "save_file"): "through _atomic_write",
-    ("vaswani_hf/averaging.py", "save_averaged_model", "write_text"): "through _atomic_write",
+    ("vaswani_hf/averaging.py", "_write_model_folder", "save_file"): "through _atomic_write, into a temporary folder "
+                                                                      "renamed when complete (or the run's folder)",
+    ("vaswani_hf/averaging.py", "_write_model_folder", "write_text"): "through _atomic_write, as above",
     ("vaswani_hf/export_ct2.py", "export_ct2", "save"): "into a staging folder, then os.replace",
     ("vaswani_hf/visualization.py", "save_figure", "savefig"): "temporary file, then os.replace",
     # The final model folder of a training run is written by transformers (save_model / save_pretrained), file by

@@ -6,8 +6,11 @@ or a traceback naming no file). The hypothesis properties at the end check the s
 """
 
 import json
+import os
 import re
 import shutil
+import signal
+import stat
 import struct
 from pathlib import Path
 
@@ -194,6 +197,186 @@ def test_averaging_never_replaces_the_runs_own_model(run, tmp_path):
     assert average_main(["--checkpoint_dir", str(source), "--last", "2", "--output_dir", str(source / "averaged")]) == 0
 
 
+def copy_run(run, tmp_path) -> Path:
+    source = tmp_path / "run"
+    shutil.copytree(run[0], source)
+    return source
+
+
+def plant_nan(checkpoint: Path) -> None:
+    """One tensor of a checkpoint's weights set to NaN, as a run that diverged saves it."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(checkpoint / "model.safetensors")
+    name = next(name for name in weights if name.endswith("fc2.bias"))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_evaluate_never_replaces_the_runs_metrics(run, tmp_path):
+    from vaswani_training.evaluate_bleu import main as evaluate_main
+
+    source = copy_run(run, tmp_path)
+    metrics = source / "metrics.json"
+    before = metrics.read_bytes()
+    exits_with(lambda: evaluate_main(["--model", str(source), "--output", str(metrics), "--max_test_samples", "2"]),
+               re.escape(f"--output {metrics} is a file of the model folder"))
+    kept = tmp_path / "kept.json"
+    kept.write_bytes(before)
+    exits_with(lambda: evaluate_main(["--model", str(source), "--output", str(kept), "--max_test_samples", "2"]),
+               r"holds a training run's metrics \(\d+ fields, train_steps 3\)")
+    assert metrics.read_bytes() == before == kept.read_bytes()
+    assert evaluate_main(["--model", str(source), "--max_test_samples", "2"]) == 0
+    scores = json.loads((source / "test_metrics.json").read_text())
+    assert scores["weights_sha256"] == json.loads(before)["weights_sha256"], "the same weights, the same fingerprint"
+
+
+def test_resuming_a_checkpoint_with_nan_weights_is_refused_before_training(run, tmp_path, cache):
+    source = copy_run(run, tmp_path)
+    plant_nan(source / "checkpoint-3")
+    before = listing(source)
+    for value in ("last", str(source / "checkpoint-3")):
+        with pytest.raises(CheckError, match=re.escape(f"the weights of {source / 'checkpoint-3'} hold NaN or infinite "
+                                                       f"values (1 tensor(s)") + r"[\s\S]*newest earlier checkpoint "
+                                             r"with finite weights is .*checkpoint-2"):
+            train(source, cache, "--max_steps", "5", "--save_steps", "1", "--resume_from_checkpoint", value)
+    assert listing(source) == before, "the run's model, metrics and translations are untouched"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max_tokens", "1024"], "--max_tokens: the run has 512, this command 1024"),
+    (["--preset", "cpu"], "--preset: the run has 'tiny', this command 'cpu'"),
+    (["--lr_factor", "2.0"], "--lr_factor: the run has 1.0, this command 2.0"),
+])
+def test_resuming_with_other_settings_is_refused_before_training(run, tmp_path, cache, flags, message):
+    source = copy_run(run, tmp_path)
+    before = listing(source)
+    with pytest.raises(CheckError, match=re.escape(message) + ".*pass the run's values"):
+        train(source, cache, "--max_steps", "5", "--save_steps", "1", "--resume_from_checkpoint", "last", *flags)
+    assert listing(source) == before
+
+
+def test_resuming_a_checkpoint_without_settings_compares_the_models_shape(run, tmp_path, cache):
+    from vaswani_training.run_checks import RUN_SETTINGS
+
+    source = copy_run(run, tmp_path)
+    (source / "checkpoint-3" / RUN_SETTINGS).unlink()
+    with pytest.raises(CheckError, match=r"config d_model: the run has 32, this command 256"):
+        train(source, cache, "--max_steps", "5", "--resume_from_checkpoint", "last", "--preset", "cpu")
+
+
+def test_a_resumed_run_with_too_few_checkpoints_to_average_is_refused_before_training(run, tmp_path, cache):
+    source = copy_run(run, tmp_path)
+    before = listing(source)
+    with pytest.raises(CheckError, match=r"--average_last 5: resuming checkpoint-3 to --max_steps 4 with "
+                                         r"--save_steps 1 leaves 4 checkpoint\(s\)"):
+        train(source, cache, "--max_steps", "4", "--save_steps", "1", "--resume_from_checkpoint", "last",
+              "--average_last", "5")
+    assert listing(source) == before
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lr_factor", "0"], "--lr_factor must be a positive number"),
+    (["--lr_factor", "nan"], "--lr_factor must be a positive number"),
+    (["--max_train_minutes", "0"], "--max_train_minutes must be a positive number"),
+    (["--config_overrides", "pad_token_id=5"], "--config_overrides pad_token_id: set by the joint BPE"),
+    (["--config_overrides", "d_model=64,vocab_size=300"], "--config_overrides vocab_size: set by the joint BPE"),
+])
+def test_flags_that_would_be_ignored_or_crash_are_refused(tmp_path, cache, flags, message):
+    with pytest.raises(CheckError, match=re.escape(message)):
+        train(tmp_path / "out", cache, "--max_steps", "1", *flags)
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_a_resumed_run_stopped_in_its_test_translation_leaves_no_old_metrics_beside_new_weights(
+        run, tmp_path, cache, monkeypatch):
+    """A resumed run writes its model, then is killed while it translates the test set: the earlier metrics and
+    translations were moved aside first, so that the export publishes no BLEU for the new weights; put back, they are
+    refused."""
+    import vaswani_training.evaluate_bleu
+    from vaswani_training.export import main as export_main
+
+    source = copy_run(run, tmp_path)
+    old_metrics = (source / "metrics.json").read_bytes()
+    old_translations = (source / "test_translations.txt").read_bytes()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed during the test translation")
+
+    monkeypatch.setattr(vaswani_training.evaluate_bleu, "evaluate_test_set", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(source, cache, "--max_steps", "4", "--save_steps", "1", "--resume_from_checkpoint", "last")
+    assert (source / "checkpoint-4").is_dir()
+    assert not (source / "metrics.json").exists() and not (source / "test_translations.txt").exists()
+    assert (source / "metrics.step-3.json").read_bytes() == old_metrics, "kept, under another name"
+    assert (source / "test_translations.step-3.txt").read_bytes() == old_translations
+    exported = tmp_path / "export"
+    assert export_main(["--model_dir", str(source), "--output_dir", str(exported)]) == 0
+    readme = (exported / "README.md").read_text(encoding="utf-8")
+    assert str(json.loads(old_metrics)["test_bleu_signature"]) not in readme and "model-index" not in readme
+    assert "carries no record of how the model was trained" in readme
+    (source / "metrics.json").write_bytes(old_metrics)  # a user puts the old file back
+    exits_with(lambda: export_main(["--model_dir", str(source), "--output_dir", str(tmp_path / "again")]),
+               re.escape(f"{source / 'metrics.json'} does not describe the weights in {source}"), "vaswani-evaluate")
+    assert not (tmp_path / "again").exists()
+
+
+def test_the_runs_outputs_follow_the_umask(run):
+    from vaswani_hf.checks import current_umask
+
+    out, _ = run
+    mask = current_umask()
+    for path in (out / "metrics.json", out / "test_translations.txt", out / "model.safetensors",
+                 out / "averaged_from.json", out / "checkpoint-3" / "model.safetensors",
+                 out / "checkpoint-3" / "vaswani_run.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask, path
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_writes_follow_the_umask(tmp_path, umask):
+    from vaswani_training.atomic import write_json_atomic, write_lines_atomic
+
+    previous = os.umask(umask)
+    try:
+        write_json_atomic(tmp_path / "metrics.json", {"bleu": 1.0})
+        write_lines_atomic(tmp_path / "test_translations.txt", ["a"])
+    finally:
+        os.umask(previous)
+    for name in ("metrics.json", "test_translations.txt"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask
+
+
+def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, cache, monkeypatch):
+    """SIGTERM while the validation set is being translated: the batch ends at its next token, the rest of the
+    validation set is skipped, the step's checkpoint is saved and the run ends without the test translation (a
+    scheduler's SIGKILL follows), with metrics.json saying so."""
+    from transformers import Seq2SeqTrainer
+
+    from vaswani_training.run_checks import checkpoint_problems
+
+    original = Seq2SeqTrainer.prediction_step
+    lengths = []
+
+    def first_batch_then_sigterm(self, *args, **kwargs):
+        if not lengths:
+            os.kill(os.getpid(), signal.SIGTERM)
+        output = original(self, *args, **kwargs)
+        lengths.append(int(output[1].ne(self.model.config.pad_token_id).sum(-1).max()))  # Trainer pads them
+        return output
+
+    monkeypatch.setattr(Seq2SeqTrainer, "prediction_step", first_batch_then_sigterm)
+    out = tmp_path / "out"
+    metrics = train(out, cache, "--max_steps", "6", "--save_steps", "100", "--eval_strategy", "steps",
+                    "--eval_steps", "2", "--max_eval_samples", "40", "--per_device_eval_batch_size", "4",
+                    "--generation_max_length", "128")
+    assert len(lengths) == 1 and lengths[0] <= 3, lengths  # 1 of 10 batches, cut after its first token
+    assert metrics["train_steps"] == 2 and metrics["stopped_by"] == "SIGTERM" and "test_bleu" not in metrics
+    assert json.loads((out / "metrics.json").read_text())["stopped_by"] == "SIGTERM"
+    assert not (out / "test_translations.txt").exists()
+    assert checkpoint_problems(out / "checkpoint-2") == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler is given back after training"
+
+
 # No secrets in files --------------------------------------------------------------------------------------------------
 
 
@@ -334,7 +517,8 @@ def test_output_loading_info_reports_a_missing_shared_embedding_and_initializes_
     embedding = model.get_input_embeddings().weight
     assert embedding.device.type == "cpu" and bool(torch.isfinite(embedding).all())
     assert 0.5 < float(embedding.std()) * model.config.d_model**0.5 < 2  # N(0, d_model^-1/2), §3.4's scale
-    assert set(info["missing_keys"]) - {shared} <= {n for n in model.state_dict() if "embed_tokens" in n or "lm_head" in n}
+    tied = {n for n in model.state_dict() if "embed_tokens" in n or "lm_head" in n}
+    assert set(info["missing_keys"]) - {shared} <= tied
 
 
 def test_an_unexpected_safetensors_header_is_reported_not_a_crash(tmp_path):

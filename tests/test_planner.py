@@ -341,7 +341,7 @@ def test_the_loop_without_the_planner_stops_in_time_for_the_test_translation(tmp
     def new_run(preset: str, recipe: RecipeArguments, *, max_steps_given: bool = False):
         return scaffold.new_run(ModelArguments(preset=preset), DataArguments(), recipe, preset=PRESETS[preset],
                                 output_dir=tmp_path, max_steps=100, warmup_steps=10, max_steps_given=max_steps_given,
-                                device_type="cpu", resuming=False)
+                                device_type="cpu", resume_value=None)
 
     monkeypatch.setattr(scaffold, "process_start_monotonic", lambda: 1000.0)
     cpu = new_run("cpu", RecipeArguments(cpu_bf16="no"))

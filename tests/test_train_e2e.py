@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,14 @@ def trained(tmp_path_factory):
             "--max_train_samples", "400", "--max_eval_samples", "8", "--max_test_samples", "12",
             "--max_steps", "8", "--eval_steps", "4", "--save_steps", "4", "--logging_steps", "2",
             "--per_device_eval_batch_size", "8", "--num_samples", "2"]
-    metrics = main(args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = main(args)
+    trained_warnings.extend(str(w.message) for w in caught)
     return out, cache, metrics, args
+
+
+trained_warnings: list[str] = []  # what the run of `trained` warned
 
 
 def test_run_writes_model_metrics_and_checkpoints(trained):
@@ -37,12 +44,21 @@ def test_run_writes_model_metrics_and_checkpoints(trained):
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert any("eval_bleu" in log for log in state["log_history"]), "validation BLEU is computed during training"
     losses = [log["loss"] for log in state["log_history"] if "loss" in log]
-    assert all(l == l and l > 0 for l in losses)
+    assert all(loss == loss and loss > 0 for loss in losses)
     # The paper's schedule: lr grows linearly during warmup (tiny preset warmup 10 > 8 steps).
     lrs = [log["learning_rate"] for log in state["log_history"] if "learning_rate" in log]
     assert lrs == sorted(lrs) and lrs[0] > 0
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert list(cache.glob("tokenizers/*/tokenizer.json")), "the joint BPE is cached for the next run"
+
+
+def test_a_run_on_a_cpu_pins_no_memory(trained):
+    """Validation and test loaders too: torch warns that pinned memory is unused where there is no accelerator."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: pinning is wanted there")
+    assert not [w for w in trained_warnings if "pin_memory" in w], trained_warnings
 
 
 def test_output_folder_loads_with_auto_classes_and_pipeline(trained):
@@ -107,7 +123,8 @@ def test_train_script_help_runs_as_a_script():
 
 
 def test_console_entry_points_exit_0_after_a_run(monkeypatch):
-    """`vaswani-train` must exit 0: `main` returns the metrics dict, which `sys.exit(main())` would turn into status 1."""
+    """`vaswani-train` must exit 0: `main` returns the metrics dict, which `sys.exit(main())` would turn into status
+    1."""
     import tomllib
 
     import vaswani_training.train as train
@@ -148,6 +165,8 @@ def test_the_wheel_installs_vaswani_hf_with_its_data_and_vaswani_training(tmp_pa
     commands = {"vaswani_training/" + p.relative_to(folder).as_posix() for p in folder.rglob("*")
                 if p.is_file() and p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts}
     assert "vaswani_training/accelerate_configs/cpu_2proc.yaml" in commands and commands <= names
+    # The model card template of vaswani-export: training/model_card.md links to the one at the repository root.
+    assert archive.read("vaswani_training/model_card.md") == (ROOT / "model_card.md").read_bytes()
     entry_points = archive.read("vaswani_hf-0.1.0.dist-info/entry_points.txt").decode().split("[console_scripts]")[1]
     targets = [line.split(" = ")[1] for line in entry_points.split("\n") if " = " in line]
     assert len(targets) == 8 and all(target.startswith("vaswani_training.") for target in targets)
@@ -156,9 +175,9 @@ def test_the_wheel_installs_vaswani_hf_with_its_data_and_vaswani_training(tmp_pa
 def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
     """§5.4: the recipe trains on the label-smoothed loss (config.label_smoothing, 0.1); eval_loss is the model's
     plain cross-entropy, the number transformers users read as log-perplexity."""
+    from conftest import make_tiny_model, padded_batch
     from transformers import Seq2SeqTrainingArguments
 
-    from conftest import make_tiny_model, padded_batch
     from vaswani_training.train import PaperTrainer
 
     model = make_tiny_model(dropout=0.0)
@@ -181,11 +200,11 @@ def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
 
 def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
     """§5.3's Adam(0.9, 0.98, 1e-9), as one fused kernel on the CPU; its updates equal the foreach Adam's."""
+    from conftest import make_tiny_model
     from transformers import Seq2SeqTrainingArguments
 
-    from conftest import make_tiny_model
-    from vaswani_training.train import PaperTrainer
     from vaswani_hf.schedule import paper_adam
+    from vaswani_training.train import PaperTrainer
 
     model = make_tiny_model(dropout=0.0)
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
@@ -210,9 +229,9 @@ def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
 
 def test_paper_trainer_pins_batches_only_for_an_accelerator(tmp_path, recwarn):
     """On a CPU the training batches are not pinned (nothing to copy them to; torch would warn at every epoch)."""
+    from conftest import make_tiny_model
     from transformers import Seq2SeqTrainingArguments
 
-    from conftest import make_tiny_model
     from vaswani_training.train import PaperTrainer
 
     # transformers' default where `use_cpu` is not given, as in vaswani-train on a machine without a GPU

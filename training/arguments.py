@@ -5,6 +5,7 @@ its `LoopArguments`. Values out of range are refused when the flags are parsed (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from vaswani_hf.checks import CheckError
@@ -83,11 +84,20 @@ class RecipeArguments:
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Start a new run in an --output_dir that holds an earlier run: its checkpoint-<step> folders are "
                 "removed, its model and metrics replaced. Without it such a folder is refused."})
+    hub_endpoint: str | None = field(default=None, metadata={
+        "help": "With --push_to_hub: the Hub server's URL (default: HF_ENDPOINT, else https://huggingface.co); it "
+                "must answer before training starts."})
     cpu_bf16: str = field(default="auto", metadata={
         "help": "Training on a CPU: auto (bf16 autocast where the CPU computes bf16 natively, AVX512-BF16 or AMX, "
                 "and a training step measured at the start is at least 1.15x faster in bf16 than in fp32), yes, "
                 "or no (fp32)."})
 
     def __post_init__(self):
-        if self.cpu_bf16 not in ("auto", "yes", "no"):  # refused when the flags are parsed
+        # Refused when the flags are parsed; 0 is not "the preset's" (leave the flag out for that).
+        if self.cpu_bf16 not in ("auto", "yes", "no"):
             raise CheckError(f"--cpu_bf16 must be auto, yes or no, got {self.cpu_bf16!r}.")
+        for name in ("lr_factor", "max_train_minutes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not math.isfinite(value) or value <= 0):
+                raise CheckError(f"--{name} must be a positive number (leave the flag out for the preset's), got "
+                                 f"{value}.")

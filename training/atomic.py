@@ -1,5 +1,6 @@
 """Atomic writes: a reader never sees a half-written output file, and a failure or a kill in the middle of a write
-leaves the previous file as it was (a temporary file in the same folder, then `os.replace`).
+leaves the previous file as it was (a temporary file in the same folder, then `os.replace`). The file gets the mode
+`open()` gives under the user's umask (`tempfile` makes it 0600).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
+from vaswani_hf.checks import follow_umask
+
 
 def _write_atomic(path: str | os.PathLike, write: Callable[[TextIO], None]) -> None:
     """`write(handle)` into a hidden temporary file beside `path` (".<name>.*.tmp"), then rename it to `path`."""
@@ -20,6 +23,7 @@ def _write_atomic(path: str | os.PathLike, write: Callable[[TextIO], None]) -> N
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             write(handle)
+        follow_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -6,12 +6,17 @@ for base models, the last 20 for big ones), like fairseq's `scripts/average_chec
 
 `checkpoint-<step>` folders are ordered by step number. The output folder is a normal model folder (weights,
 config, generation config, tokenizer) that `AutoModelForSeq2SeqLM.from_pretrained` and `vaswani-translate` load.
-Weights are read with safetensors only.
+Weights are read with safetensors only; a truncated checkpoint or one holding NaN is refused, naming it.
+
+The output is written whole under a temporary name beside `--output_dir`, then renamed. It must be a new folder or an
+earlier average (holding only what an average writes), and never a `checkpoint-<step>` name, which resuming, averaging
+and Trainer's rotation would take for a checkpoint of the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -33,10 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from vaswani_hf.averaging import average_checkpoints, average_last_checkpoints, save_averaged_model
-    from vaswani_hf.checks import check_output_dir, check_output_not_in_inputs
+    from vaswani_hf.averaging import (
+        average_checkpoints,
+        average_last_checkpoints,
+        check_average_output,
+        save_averaged_model,
+    )
+    from vaswani_hf.checks import CheckError, check_output_dir, check_output_not_in_inputs
 
     try:
+        output = Path(args.output_dir)
+        if re.fullmatch(r"checkpoint-\d+", output.name):
+            raise CheckError(f"--output_dir {output}: a checkpoint-<step> name is read as a checkpoint of a training "
+                             f"run (resuming and averaging would pick it up; Trainer's rotation deletes old ones), "
+                             f"and it may be one. Choose another name, e.g. {output.parent / 'averaged'}.")
         # The averaged model must not replace the run's own model (output_dir = the run folder) nor a folder that
         # holds the checkpoints; a new folder inside the run (run/averaged) is fine.
         inputs = [args.checkpoint_dir] if args.checkpoint_dir is not None else args.checkpoints
@@ -47,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             used = average_last_checkpoints(args.checkpoint_dir, args.num_checkpoints, args.output_dir)
         else:
             used = [Path(p) for p in args.checkpoints]
+            if used[-1].is_dir():
+                check_average_output(output, used[-1], used)  # before the weights are read
             save_averaged_model(average_checkpoints(used), used[-1], args.output_dir, sources=used)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"error: {error}") from None

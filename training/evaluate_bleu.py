@@ -1,12 +1,17 @@
 """Score a trained model on a test set: detokenized sacreBLEU and, on Multi30k, lowercased tokenized BLEU.
 
     vaswani-evaluate --model outputs/multi30k-de-en                  # Multi30k test2016, beam 4, lp 0.6
-    vaswani-evaluate --model DIR --test_file data/test --source_lang de --target_lang en --output metrics.json
+    vaswani-evaluate --model DIR --test_file data/test --source_lang de --target_lang en --output scores.json
+
+The metrics JSON records the fingerprint of the weights it scored (`weights_sha256`), so that `vaswani-export
+--metrics` never pairs it with other weights. It never replaces another file of the model folder (a training run's
+metrics.json) nor another run's metrics.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -77,6 +82,29 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
     return {"metrics": metrics, "hypotheses": hypotheses, "sources": sources, "references": references}
 
 
+def check_not_run_metrics(output: Path, model_dir: Path) -> None:
+    """Refuse an --output that would replace what a run wrote: an existing file of the model folder other than this
+    command's own test_metrics.json (the run's metrics.json: its training metrics would be lost), or anywhere a JSON
+    file of a training run's metrics (it holds `train_steps`).
+
+    Raises:
+        CheckError: naming the file and another --output.
+    """
+    if not output.is_file():
+        return
+    inside = output.resolve().parent == model_dir.resolve()
+    if inside and output.name != "test_metrics.json":
+        raise CheckError(f"--output {output} is a file of the model folder {model_dir}; writing the scores there would "
+                         f"replace it (the run's own metrics). Leave --output out (scores go to "
+                         f"{model_dir / 'test_metrics.json'}) or choose a new file.")
+    try:
+        held = json.loads(output.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(held, dict) and "train_steps" in held:
+        raise CheckError(f"--output {output} holds a training run's metrics ({len(held)} fields, train_steps "
+                         f"{held['train_steps']}); the scores would replace them. Choose a new file.")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import vaswani_hf  # noqa: F401
-    from vaswani_hf.checks import check_model_folder, check_output_file
+    from vaswani_hf.checks import check_model_folder, check_output_file, weights_fingerprint
     from vaswani_hf.data import load_multi30k, load_parallel_dataset
 
     from .atomic import write_json_atomic
     from .prepare import select
-    from .run_checks import check_device
+    from .run_checks import check_device, check_sentence_lengths
 
     for name in ("num_beams", "batch_size", "max_test_samples"):
         value = getattr(args, name)
@@ -118,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         check_model_folder(args.model)
         device = check_device(args.device)
         check_output_file(output, flag="--output")
+        check_not_run_metrics(output, Path(args.model))
     except CheckError as error:
         raise SystemExit(str(error)) from None
     data_args = DataArguments(source_lang=args.source_lang, target_lang=args.target_lang, test_file=args.test_file)
@@ -128,10 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     test = select(test, args.max_test_samples)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model, use_safetensors=True).to(device)
+    where = args.test_file or "Multi30k test2016"
+    sources = [t[args.source_lang] for t in test["translation"]]
+    try:  # every sentence fits the model before the first batch is translated
+        check_sentence_lengths(model, tokenizer, sources, names=[f"{where}, pair {i + 1}" for i in range(len(sources))])
+    except CheckError as error:
+        raise SystemExit(str(error)) from None
     result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=args.batch_size,
                                num_beams=args.num_beams, length_penalty=args.length_penalty,
                                is_multi30k=args.test_file is None,
                                length_penalty_style=args.length_penalty_style)
+    result["metrics"]["weights_sha256"] = weights_fingerprint(args.model)
     write_json_atomic(output, result["metrics"])
     for key, value in result["metrics"].items():
         print(f"{key}: {value}")

@@ -15,11 +15,17 @@ The folder holds what `AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_
   torch and transformers;
 - `tokenizer.json` and `tokenizer_config.json`: the joint BPE as a plain fast tokenizer (no tokenizer code);
 - `README.md`: the model card, rendered (Jinja2, `huggingface_hub.ModelCard.from_template`) from `model_card.md` at
-  the repository root: Hub metadata (languages, license, dataset, BLEU, tags, a model-index with the run's test BLEU
-  read from its `metrics.json`), usage with `trust_remote_code=True`, training details and citations.
+  the repository root (installed with the commands as package data of vaswani_training): Hub metadata (languages,
+  license, dataset, base model, BLEU, tags, a model-index with the run's test BLEU read from its `metrics.json`), the
+  model's history (trained from scratch or fine-tuned from which model, on which data, how many updates), usage with
+  `trust_remote_code=True`, training details and citations.
 
-The folder is written under a temporary name beside `--output_dir` and renamed when complete. Uploading uses
-`huggingface_hub.HfApi.create_repo` and `upload_folder`; `--hub_endpoint` (or HF_ENDPOINT) picks another Hub server.
+A `metrics.json` that describes other weights than the folder's (it records their fingerprint, `weights_sha256`; one
+without it must not be older than the weights) is refused: a card never publishes another model's BLEU.
+
+The folder is written under a temporary name beside `--output_dir` and renamed when complete, with the modes the
+user's umask gives. Uploading uses `huggingface_hub.HfApi.create_repo` and `upload_folder`; `--hub_endpoint` (or
+HF_ENDPOINT) picks another Hub server, which must answer before anything is written.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +49,22 @@ logger = logging.getLogger("vaswani_hf.export")
 
 EXPORTED_CODE = ("configuration_vaswani.py", "generation_vaswani.py", "kernels_vaswani.py", "loading_vaswani.py",
                  "modeling_vaswani.py")
-DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "model_card.md"
+# training/model_card.md is a link to the template at the repository root, declared package data of vaswani_training:
+# the wheel holds its content.
+DEFAULT_TEMPLATE_NAME = "model_card.md"
 HUB_SUBFOLDER = "hub"  # where the training scripts export before pushing: <output_dir>/hub
 LANGUAGE_NAMES = {"de": "German", "en": "English", "fr": "French", "cs": "Czech", "ro": "Romanian", "ru": "Russian",
                   "es": "Spanish", "it": "Italian", "nl": "Dutch", "tr": "Turkish", "zh": "Chinese", "ja": "Japanese"}
 EXAMPLE_SOURCES = {"de": "Zwei Hunde spielen im Schnee.", "en": "Two dogs are playing in the snow.",
                    "fr": "Deux chiens jouent dans la neige."}
 MULTI30K_TERMS_URL = "https://github.com/multi30k/dataset"
+# Seconds a metrics.json may be older than the weights it was written after (file systems' time granularity, copies).
+MTIME_SLACK = 2.0
+
+
+def default_template() -> Path:
+    """The model card template installed with the commands (`model_card.md`, package data of vaswani_training)."""
+    return Path(str(resources.files("vaswani_training") / DEFAULT_TEMPLATE_NAME))
 
 
 def _language_name(code: str) -> str:
@@ -61,13 +78,19 @@ def card_data_for(metrics: dict[str, Any], *, model_name: str, source_lang: str,
     Languages, dataset and BLEU come from the run's `metrics` (as `training/run.py:finish` writes them); the
     model-index lists the detokenized sacreBLEU and, on Multi30k, the lowercased tokenized BLEU of the test split.
     Without a test BLEU in `metrics` there is no model-index. `license` defaults to "other" (the Multi30k terms:
-    non-commercial research and education) for Multi30k runs and "unknown" otherwise.
+    non-commercial research and education) for Multi30k runs and models fine-tuned from one, and "unknown"
+    otherwise. `datasets` lists Hub dataset ids only (Multi30k's, a Hub dataset's), never a local file's name;
+    `base_model` the Hub id a fine-tuned model started from.
     """
     from huggingface_hub import EvalResult, ModelCardData
 
     dataset = metrics.get("dataset")
     multi30k = dataset == "multi30k"
-    license = license or ("other" if multi30k else "unknown")
+    terms = multi30k or _base_trained_on_multi30k(metrics)
+    license = license or ("other" if terms else "unknown")
+    # The Hub's `datasets` field holds dataset ids: Multi30k's or a Hub dataset's, never a local file's name.
+    kind = (metrics.get("data") or {}).get("kind")
+    hub_dataset = dataset if (multi30k or kind == "hub" or (kind is None and dataset)) else None
     pair = f"{source_lang}-{target_lang}"
     results = []
     scores = [("test_bleu", "test_bleu_signature", "SacreBLEU (detokenized)"),
@@ -78,37 +101,95 @@ def card_data_for(metrics: dict[str, Any], *, model_name: str, source_lang: str,
         results.append(EvalResult(
             task_type="translation", task_name=f"Translation {_language_name(source_lang)} to "
                                                f"{_language_name(target_lang)}",
-            dataset_type=dataset or "custom", dataset_split="test", dataset_config=pair,
-            dataset_name="Multi30k (task 1, test2016 Flickr)" if multi30k else str(dataset or "test set"),
+            dataset_type=hub_dataset or "custom", dataset_split="test", dataset_config=pair,
+            dataset_name="Multi30k (task 1, test2016 Flickr)" if multi30k else _test_set_name(metrics),
             metric_type="bleu", metric_value=float(metrics[key]), metric_name=name,
             metric_config=metrics.get(signature_key), verified=False))
+    base = metrics.get("base_model")
     return ModelCardData(
         language=[source_lang, target_lang],
         license=license,
-        license_name="multi30k-terms" if (multi30k and license == "other") else None,
-        license_link=MULTI30K_TERMS_URL if (multi30k and license == "other") else None,
+        license_name="multi30k-terms" if (terms and license == "other") else None,
+        license_link=MULTI30K_TERMS_URL if (terms and license == "other") else None,
         library_name="transformers",
         pipeline_tag="translation",
         tags=["translation", "transformer", "vaswani", "seq2seq"],
-        datasets=[dataset] if dataset else None,
+        base_model=base if base and not metrics.get("base_model_local") else None,
+        datasets=[hub_dataset] if hub_dataset else None,
         metrics=["bleu"],
         model_name=model_name if results else None,
         eval_results=results or None,
     )
 
 
+def _base_trained_on_multi30k(metrics: dict[str, Any]) -> bool:
+    return (metrics.get("base_model_history") or {}).get("dataset") == "multi30k"
+
+
+def _files_phrase(files: list[str]) -> str:
+    names = [f"`{name}`" for name in files]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _test_set_name(metrics: dict[str, Any]) -> str:
+    data = metrics.get("data") or {}
+    if data.get("kind") == "files" and data.get("test"):
+        return "test set: " + ", ".join(Path(name).name for name in data["test"])
+    if data.get("kind") == "hub":
+        return f"{data.get('name')} (test split)"
+    return str(metrics.get("dataset") or "test set")
+
+
+def describe_data(data: dict[str, Any] | None, dataset: str | None, split: str = "train") -> str:
+    """Words for the data of one split, from metrics.json's `data` (`training.prepare.data_sources`): "Multi30k (task 1,
+    image captions)", "the Hub dataset `wmt14` (config `de-en`)" or "the files `a.de` and `a.en`"; from the older
+    `dataset` label where there is no `data`; "" where nothing is known."""
+    if data:
+        kind = data.get("kind")
+        if kind == "multi30k":
+            return "Multi30k (task 1, image captions)"
+        if kind == "hub":
+            config = f" (config `{data['config']}`)" if data.get("config") else ""
+            return f"the Hub dataset `{data.get('name')}`{config}"
+        if kind == "files" and data.get(split):
+            return "the files " + _files_phrase(data[split])
+    if dataset == "multi30k":
+        return "Multi30k (task 1, image captions)"
+    return f"`{dataset}`" if dataset else ""
+
+
+def describe_history(metrics: dict[str, Any]) -> dict[str, str]:
+    """The model's history in words, for the card: `origin` ("trained from scratch", or "fine-tuned from `X`", with
+    what X was trained on where its metrics.json was read), `data` (the training data, `describe_data`) and
+    `test_data`; each "" where metrics.json does not tell (an export without one)."""
+    if "train_steps" not in metrics:
+        origin = ""
+    elif metrics.get("base_model"):
+        origin = f"fine-tuned from `{metrics['base_model']}`"
+        earlier = metrics.get("base_model_history") or {}
+        earlier_data = describe_data(earlier.get("data"), earlier.get("dataset")).replace(
+            "Multi30k (task 1, image captions)", "Multi30k")  # no parentheses inside parentheses
+        if earlier.get("train_steps") is not None and earlier_data:
+            origin += f" (itself trained for {earlier['train_steps']:,} updates on {earlier_data})"
+    else:
+        origin = "trained from scratch"
+    return {"origin": origin, "data": describe_data(metrics.get("data"), metrics.get("dataset")),
+            "test_data": describe_data(metrics.get("data"), None, "test")}
+
+
 def render_model_card(model, metrics: dict[str, Any], *, repo_id: str, template: str | os.PathLike | None = None,
                       license: str | None = None, source_lang: str | None = None,
                       target_lang: str | None = None) -> str:
-    """README.md text: `template` (default: model_card.md at the repository root) rendered with the metadata of
-    `card_data_for` and the facts of the run (config of `model`, `metrics`).
+    """README.md text: `template` (default: model_card.md at the repository root, `default_template`) rendered with
+    the metadata of `card_data_for` and the facts of the run (config of `model`, `metrics`, its history in words:
+    `describe_history`).
 
     Raises:
         FileNotFoundError: the template does not exist.
     """
     from huggingface_hub import ModelCard
 
-    template = Path(template) if template else DEFAULT_TEMPLATE
+    template = Path(template) if template else default_template()
     if not template.is_file():
         raise FileNotFoundError(f"model card template {template} not found; pass --model_card_template.")
     source_lang = source_lang or metrics.get("source_lang", "de")
@@ -117,28 +198,59 @@ def render_model_card(model, metrics: dict[str, Any], *, repo_id: str, template:
     card_data = card_data_for(metrics, model_name=model_name, source_lang=source_lang, target_lang=target_lang,
                               license=license)
     config = model.config
+    history = describe_history(metrics)
     card = ModelCard.from_template(
         card_data, template_path=str(template),
         model_id=repo_id, model_name=model_name, run=metrics, config=config.to_dict(),
         source_lang=source_lang, target_lang=target_lang,
         source_name=_language_name(source_lang), target_name=_language_name(target_lang),
-        multi30k=metrics.get("dataset") == "multi30k",
+        multi30k=metrics.get("dataset") == "multi30k", base_multi30k=_base_trained_on_multi30k(metrics),
+        origin=history["origin"], data_description=history["data"], test_data_description=history["test_data"],
         num_parameters=sum(p.numel() for p in model.parameters()),
         example_source=EXAMPLE_SOURCES.get(source_lang, "..."),
     )
     return str(card)
 
 
-def _read_metrics(path: Path | None) -> dict[str, Any]:
+def _read_metrics(path: Path | None, model_dir: Path) -> dict[str, Any]:
+    """The run's metrics for the card, checked to describe the weights in `model_dir` (`check_metrics_match`); {}
+    where there is no file."""
     from vaswani_hf.checks import CheckError, read_json
 
     if path is None or not path.is_file():
-        logger.warning("No metrics.json at %s: the model card will have no test BLEU.", path)
+        logger.warning("No metrics.json at %s: the model card will have no test BLEU and no training history.", path)
         return {}
     metrics = read_json(path)  # an error naming the file if it does not parse
     if not isinstance(metrics, dict):
         raise CheckError(f"{path}: expected a JSON object of metrics, got {type(metrics).__name__}.")
+    check_metrics_match(metrics, path, model_dir)
     return metrics
+
+
+def check_metrics_match(metrics: dict[str, Any], path: Path, model_dir: Path) -> None:
+    """Refuse metrics of other weights: `weights_sha256` (written by the training commands and vaswani-evaluate) must be
+    the fingerprint of `model_dir`'s weights; a file without it must not be older than the weights.
+
+    Raises:
+        CheckError: naming both files and how to get metrics of these weights.
+    """
+    from vaswani_hf.checks import CheckError, weight_files, weights_fingerprint
+
+    recorded = metrics.get("weights_sha256")
+    files = weight_files(model_dir)
+    if recorded:
+        if weights_fingerprint(model_dir) == recorded:
+            return
+        why = f"it records the fingerprint of other weights ({recorded[:19]}...)"
+    elif files and path.stat().st_mtime < max(f.stat().st_mtime for f in files) - MTIME_SLACK:
+        why = "it is older than the weights"
+    else:
+        return
+    raise CheckError(
+        f"{path} does not describe the weights in {model_dir} ({why}): a run stopped after writing its model but "
+        f"before its metrics, or weights replaced since. Its BLEU would be published for another model. Score these "
+        f"weights with `vaswani-evaluate --model {model_dir} --output {model_dir / 'test_metrics.json'}` and pass "
+        f"--metrics {model_dir / 'test_metrics.json'}.")
 
 
 def check_hub_folder(folder: str | os.PathLike) -> None:
@@ -189,14 +301,14 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
 
     Raises:
         FileNotFoundError: `model_dir` has no config.json or no tokenizer; the template is missing.
-        ValueError: `model_dir` holds another kind of model.
+        ValueError: `model_dir` holds another kind of model; the metrics describe other weights.
         FileExistsError: `output_dir` exists and `force` is False.
     """
     from transformers import AutoTokenizer
 
     import vaswani_hf  # noqa: F401  (registers the Auto classes; saved folders get auto_map and the code files)
     from vaswani_hf import VaswaniForConditionalGeneration
-    from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs
+    from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs, follow_umask
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     if not (model_dir / "config.json").is_file():
@@ -207,7 +319,7 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
     check_output_dir(output_dir)
     if output_dir.exists() and not force:
         raise FileExistsError(f"{output_dir} exists; pass --force to replace it.")
-    metrics = _read_metrics(Path(metrics_file) if metrics_file else model_dir / "metrics.json")
+    metrics = _read_metrics(Path(metrics_file) if metrics_file else model_dir / "metrics.json", model_dir)
 
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -220,6 +332,7 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(readme, encoding="utf-8")
         check_hub_folder(tmp)
+        follow_umask(tmp)  # mkdtemp makes it 0700, safetensors its weights 0600
         if output_dir.exists():
             old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
             os.replace(output_dir, old)
@@ -231,6 +344,54 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output_dir
+
+
+def check_hub_reachable(endpoint: str | None = None, *, timeout: float = 10.0) -> str:
+    """Before any work that ends in an upload: the Hub server answers. Uploading is not offline
+    (`HF_HUB_OFFLINE`), `endpoint` (else HF_ENDPOINT, else huggingface.co) is an http(s) URL, and its host (or the
+    proxy the environment names for it) accepts a connection within `timeout` seconds. Nothing is sent.
+
+    Returns:
+        the endpoint URL checked.
+
+    Raises:
+        CheckError: naming the endpoint (and where it came from) and what to do.
+    """
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    from vaswani_hf.checks import CheckError
+
+    if constants.HF_HUB_OFFLINE:
+        raise CheckError("--push_to_hub: HF_HUB_OFFLINE is set, so nothing could be uploaded. Unset it, or drop "
+                         "--push_to_hub and upload later with vaswani-export --push_to_hub.")
+    if endpoint:
+        url, source = endpoint, "--hub_endpoint"
+    elif os.environ.get("HF_ENDPOINT"):
+        url, source = os.environ["HF_ENDPOINT"], "HF_ENDPOINT"
+    else:
+        url, source = constants.ENDPOINT, "the Hub"
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise CheckError(f"{source} {url!r} is not an http(s) URL; give one like https://huggingface.co.")
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    except ValueError:
+        raise CheckError(f"{source} {url!r} has an invalid port.") from None
+    host, via = parsed.hostname, ""
+    proxy = urllib.request.getproxies().get(parsed.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        proxied = urllib.parse.urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        if proxied.hostname:
+            host, port, via = proxied.hostname, proxied.port or 80, f" through the proxy {proxy}"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as error:
+        raise CheckError(f"{source} {url}: cannot be reached{via} ({error.strerror or error}). Check the URL and the "
+                         f"network, or drop --push_to_hub; nothing was written.") from None
+    return url
 
 
 def push_folder(folder: str | os.PathLike, repo_id: str, *, token: str | None = None, private: bool | None = None,
@@ -279,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output_dir", required=True, help="The Hub-ready folder to write.")
     parser.add_argument("--metrics", default=None, help="The run's metrics.json (default: MODEL_DIR/metrics.json).")
     parser.add_argument("--model_card_template", default=None,
-                        help="Jinja2 model card template (default: model_card.md at the repository root).")
+                        help="Jinja2 model card template (default: model_card.md at the repository root, installed "
+                             "with the commands).")
     parser.add_argument("--license", default=None, help="Hub license id for the card (default: 'other' with the "
                                                         "Multi30k terms for Multi30k runs, else 'unknown').")
     parser.add_argument("--force", action="store_true", help="Replace --output_dir if it exists.")
@@ -298,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     repo_id = args.hub_model_id or Path(args.output_dir).name
     try:
+        if args.push_to_hub:  # before anything is written
+            check_hub_reachable(args.hub_endpoint)
         folder = export_for_hub(args.model_dir, args.output_dir, repo_id=repo_id, metrics_file=args.metrics,
                                 template=args.model_card_template, license=args.license, force=args.force)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as error:

@@ -22,6 +22,7 @@ from vaswani_hf.data import (
     example_lengths,
     load_multi30k,
     load_parallel_dataset,
+    parallel_files,
     tokenize_dataset,
 )
 
@@ -92,6 +93,24 @@ def dataset_label(data_args: DataArguments) -> str:
     if data_args.dataset_name:
         return data_args.dataset_name
     return Path(data_args.train_file).name
+
+
+def data_sources(data_args: DataArguments) -> dict[str, Any]:
+    """Where the run's data came from, by name, for metrics.json and the model card:
+    `{"kind": "multi30k"}` (the shipped copy), `{"kind": "hub", "name": ..., "config": ...}`, or
+    `{"kind": "files", "train": [...], "validation": [...], "test": [...]}` with the files each split read, as given
+    on the command line (a prefix expanded to its two language files)."""
+    if is_multi30k(data_args):
+        return {"kind": "multi30k"}
+    if data_args.dataset_name:
+        return {"kind": "hub", "name": data_args.dataset_name, "config": data_args.dataset_config_name}
+    files: dict[str, Any] = {"kind": "files"}
+    for split, source in (("train", data_args.train_file), ("validation", data_args.validation_file),
+                          ("test", data_args.test_file)):
+        if source:
+            files[split] = [str(path) for path in parallel_files(source, data_args.source_lang,
+                                                                 data_args.target_lang)]
+    return files
 
 
 def build_model(model_args: ModelArguments, preset: dict[str, Any], tokenizer):

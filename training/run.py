@@ -7,14 +7,17 @@ A loop calls, in order:
 2. `new_run(...)`: the preset's values for every flag the command line does not give, resolved into a `RunPlan`
    (updates, warmup, batch tokens, lr factor, time budget), held with the flags in a `Run`.
 3. `check_inputs(run, ...)`: `--average_last` against the checkpoints the run keeps, the model and tokenizer it starts
-   from; before any data is read.
+   from, the checkpoint a resumed run continues (complete, finite, of a run with the same settings: `run_settings`),
+   the Hub endpoint of `--push_to_hub`; before any data is read.
 4. `with claim_output_dir(run, main_process=...)`: `--output_dir` is writable, locked against a second run, and holds
    no other run.
 5. `prepare(run, ...)`: data -> joint BPE -> token ids, and the model; `check_positions`: learned positions cover the
    lengths the run feeds them.
-6. its own training steps.
-7. `average_into(run, model)` once the final model is saved, `run_metrics(...)` and `finish(...)`: the test set's
-   BLEU, `metrics.json`, and the Hub upload.
+6. its own training steps, writing `run_settings` into each checkpoint (`RUN_SETTINGS`).
+7. `retire_previous_results(run)` before the final model is written into --output_dir (an earlier `metrics.json` and
+   `test_translations.txt` are renamed, never left beside other weights), `average_into(run, model)` once it is
+   saved, `run_metrics(...)` and `finish(...)`: the test set's BLEU, `metrics.json` (with the fingerprint of the
+   weights it scored and the run's history: base model, data, steps), and the Hub upload.
 
 `command_cli(main)` is both console entries: exit status 0 after a run, a `CheckError` as one line and status 1.
 """
@@ -33,15 +36,25 @@ from typing import Any
 
 import torch
 
-from vaswani_hf.checks import CheckError, RunLock, check_output_dir
+from vaswani_hf.checks import CheckError, RunLock, check_output_dir, read_json, weights_fingerprint
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
 from .atomic import write_json_atomic, write_lines_atomic
 from .cpu_tuning import bound_onednn_caches, keep_freed_memory
 from .planner import process_start_monotonic, seconds_after_training
 from .precision import cpu_has_native_bf16
-from .prepare import build_model, dataset_label, is_multi30k, prepare_data, select
-from .run_checks import average_current_run, check_average_last, check_model_inputs, check_run_output_dir
+from .prepare import build_model, data_sources, dataset_label, is_multi30k, prepare_data, select
+from .presets import parse_overrides
+from .run_checks import (
+    average_current_run,
+    check_average_last,
+    check_average_last_resumed,
+    check_model_inputs,
+    check_resume_settings,
+    check_run_output_dir,
+    resolve_resume_checkpoint,
+    resolve_resume_value,
+)
 
 logger = logging.getLogger("vaswani_hf.training")
 
@@ -117,6 +130,7 @@ class RunPlan:
         resuming: the run continues a checkpoint (`--resume_from_checkpoint`).
         precision, precision_reason: what the run computes in ("fp32", "bf16 autocast", "fp16 autocast") and why.
         started: `time.time()` when the run was planned; averaging reads only checkpoints saved since.
+        resume_from: the checkpoint folder a resumed run continues (set by `check_inputs`).
     """
 
     max_steps: int
@@ -129,6 +143,7 @@ class RunPlan:
     precision: str = "fp32"
     precision_reason: str = ""
     started: float = field(default_factory=time.time)
+    resume_from: str | None = None
 
 
 @dataclass
@@ -141,6 +156,7 @@ class Run:
     preset: dict[str, Any]
     plan: RunPlan
     output_dir: Path
+    resume_value: str | bool | None = None  # --resume_from_checkpoint as given
 
 
 @dataclass
@@ -150,6 +166,7 @@ class HubPush:
     repo_id: str | None
     token: str | None = None
     private: bool | None = None
+    endpoint: str | None = None
 
 
 def default_budget_minutes(preset: dict[str, Any], recipe: RecipeArguments, device_type: str) -> float | None:
@@ -162,10 +179,11 @@ def default_budget_minutes(preset: dict[str, Any], recipe: RecipeArguments, devi
 
 def new_run(model_args: ModelArguments, data_args: DataArguments, recipe: RecipeArguments, *,
             preset: dict[str, Any], output_dir: str | Path, max_steps: int, warmup_steps: int,
-            max_steps_given: bool, device_type: str, resuming: bool) -> Run:
+            max_steps_given: bool, device_type: str, resume_value: str | bool | None) -> Run:
     """The `Run` of a command whose loop has settled `max_steps` and `warmup_steps`: batch tokens, lr factor, clock
     stop and validation sentences from the flags or else the preset; the time budget from --time_budget_minutes, else
-    the preset's (`default_budget_minutes`) unless --max_steps is given.
+    the preset's (`default_budget_minutes`) unless --max_steps is given. `resume_value`: --resume_from_checkpoint as
+    given (None, "", "false": a new run).
 
     Raises:
         CheckError: a time budget that is not a positive number of minutes.
@@ -180,18 +198,23 @@ def new_run(model_args: ModelArguments, data_args: DataArguments, recipe: Recipe
     max_train_minutes = recipe.max_train_minutes
     if max_train_minutes is None:
         max_train_minutes = preset.get("max_train_minutes")
+    resume_value = resolve_resume_value(resume_value)
     plan = RunPlan(max_steps=max_steps, warmup_steps=warmup_steps,
-                   max_tokens=data_args.max_tokens or preset["max_tokens"],
-                   lr_factor=recipe.lr_factor or preset["lr_factor"], budget_minutes=budget,
-                   max_train_minutes=max_train_minutes, resuming=resuming)
-    return Run(model_args, data_args, recipe, preset, plan, Path(output_dir))
+                   max_tokens=data_args.max_tokens if data_args.max_tokens is not None else preset["max_tokens"],
+                   lr_factor=recipe.lr_factor if recipe.lr_factor is not None else preset["lr_factor"],
+                   budget_minutes=budget, max_train_minutes=max_train_minutes, resuming=resume_value is not None)
+    return Run(model_args, data_args, recipe, preset, plan, Path(output_dir), resume_value)
 
 
 def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_given: bool, saving: bool,
-                 save_steps: int | float | None) -> int | None:
+                 save_steps: int | float | None, layout: str = "trainer", push: HubPush | None = None) -> int | None:
     """Everything that can be checked before the data, the tokenizer and the training: `--average_last` against the
-    checkpoints the run keeps (`check_average_last`), and the model and tokenizer it starts from
-    (`check_model_inputs`).
+    checkpoints the run keeps (`check_average_last`), the model and tokenizer it starts from
+    (`check_model_inputs`); for a resumed run the checkpoint it continues (`resolve_resume_checkpoint`: complete,
+    finite weights; kept in `run.plan.resume_from`), its settings (`check_resume_settings`) and the checkpoints
+    `--average_last` will find (`check_average_last_resumed`); with `push`, that the Hub can be reached.
+
+    `layout`: the checkpoints of the loop, "trainer" (train.py) or "accelerate" (train_no_trainer.py).
 
     Returns:
         the `save_total_limit` to use (a default below `--average_last` is raised to it).
@@ -204,7 +227,109 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
                                max_steps=run.plan.max_steps, save_steps=save_steps, resuming=run.plan.resuming)
     check_model_inputs(run.model_args.model_name_or_path, run.model_args.tokenizer_name,
                        run.model_args.config_overrides)
+    if run.plan.resuming:
+        checkpoint = resolve_resume_checkpoint(run.resume_value, run.output_dir, layout=layout)
+        run.plan.resume_from = checkpoint
+        check_resume_settings(checkpoint, run_settings(run), model_config=expected_model_fields(run))
+        check_average_last_resumed(run.recipe.average_last, resume_from=checkpoint, output_dir=run.output_dir,
+                                   max_steps=run.plan.max_steps, save_steps=save_steps, save_total_limit=limit)
+    if push is not None:
+        from .export import check_hub_reachable
+
+        check_hub_reachable(push.endpoint)
     return limit
+
+
+# Config fields that give a model its shape: a resumed run must build the same.
+_SHAPE_FIELDS = ("d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff", "position_embedding_type",
+                 "normalize_before", "share_encoder_decoder_embeddings", "activation_function")
+
+
+def _as_given_path(name: str | None) -> str | None:
+    """A local path made absolute (the same folder given from another working directory compares equal); a Hub id as
+    given."""
+    if name and Path(name).exists():
+        return str(Path(name).resolve())
+    return name
+
+
+def run_settings(run: Run) -> dict[str, Any]:
+    """The settings a resumed run must share with the run it continues, as written into every checkpoint
+    (`run_checks.RUN_SETTINGS`): the preset, the model and tokenizer it starts from, --config_overrides, batch
+    tokens, the schedule's lr factor and warmup, the languages and lengths."""
+    return {
+        "preset": run.model_args.preset,
+        "model_name_or_path": _as_given_path(run.model_args.model_name_or_path),
+        "tokenizer_name": _as_given_path(run.model_args.tokenizer_name),
+        "config_overrides": parse_overrides(run.model_args.config_overrides),
+        "max_tokens": run.plan.max_tokens,
+        "lr_factor": run.plan.lr_factor,
+        "warmup_steps": run.plan.warmup_steps,
+        "source_lang": run.data_args.source_lang,
+        "target_lang": run.data_args.target_lang,
+        "max_source_length": run.data_args.max_source_length,
+        "max_target_length": run.data_args.max_target_length,
+    }
+
+
+def expected_model_fields(run: Run) -> dict[str, Any] | None:
+    """The shape fields (`_SHAPE_FIELDS`) of the model this command builds from its preset and --config_overrides;
+    None where it starts from --model_name_or_path (that model's config decides)."""
+    if run.model_args.model_name_or_path:
+        return None
+    from vaswani_hf import VaswaniConfig
+
+    config = VaswaniConfig(**{**run.preset["model"], **parse_overrides(run.model_args.config_overrides)}).to_dict()
+    return {key: config[key] for key in _SHAPE_FIELDS if key in config}
+
+
+def write_run_settings(run: Run, checkpoint: str | os.PathLike) -> None:
+    """Write `run_settings(run)` into a checkpoint folder (`run_checks.RUN_SETTINGS`), atomically."""
+    from .run_checks import RUN_SETTINGS
+
+    write_json_atomic(Path(checkpoint) / RUN_SETTINGS, run_settings(run))
+
+
+# Files of a finished run that describe its model: a run that writes new weights moves them aside first.
+RESULT_FILES = ("metrics.json", "test_translations.txt", "test_metrics.json")
+
+
+def retire_previous_results(run: Run) -> list[Path]:
+    """Before a run writes its final model into --output_dir: rename an earlier run's `metrics.json`,
+    `test_translations.txt` and `test_metrics.json` there to `<name>.step-<N><suffix>` (N: the step their metrics
+    name), so that they are kept but never stand beside weights they do not describe, even if this run is stopped
+    before it writes its own.
+
+    Returns:
+        the renamed files' new paths.
+    """
+    folder = run.output_dir
+    present = [folder / name for name in RESULT_FILES if (folder / name).is_file()]
+    if not present:
+        return []
+    step = None
+    for path in present:
+        if path.suffix == ".json":
+            try:
+                step = read_json(path).get("train_steps")
+            except (CheckError, AttributeError):
+                continue
+            if step is not None:
+                break
+    tag = f"step-{step}" if isinstance(step, int) else time.strftime("%Y%m%d-%H%M%S",
+                                                                      time.localtime(present[0].stat().st_mtime))
+    moved = []
+    for path in present:
+        target = path.with_name(f"{path.stem}.{tag}{path.suffix}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.stem}.{tag}-{n}{path.suffix}")
+        os.replace(path, target)
+        moved.append(target)
+        logger.info("Moved the earlier %s aside to %s: it describes other weights than this run's.", path.name,
+                    target.name)
+    return moved
 
 
 @contextmanager
@@ -334,22 +459,54 @@ def run_metrics(run: Run, model, *, steps: int, epochs: float, train_seconds: fl
     }
 
 
+def run_history(run: Run, raw) -> dict[str, Any]:
+    """What the model card tells of the run's history: the model it started from (`base_model`: None when trained from
+    scratch; `base_model_local`; `base_model_history`, the dataset, data and steps of that model's own run where its
+    folder holds a metrics.json), the data (`data`: the files or Hub dataset of each split, `dataset`: a short label)
+    and the training pairs."""
+    data_args = run.data_args
+    base = run.model_args.model_name_or_path
+    history: dict[str, Any] = {
+        "base_model": base,
+        "base_model_local": bool(base and Path(base).exists()),
+        "dataset": dataset_label(data_args),
+        "data": data_sources(data_args),
+        "train_pairs": len(raw["train"]) if "train" in raw else None,
+    }
+    if base and (Path(base) / "metrics.json").is_file():
+        try:
+            earlier = read_json(Path(base) / "metrics.json")
+        except CheckError:
+            earlier = None
+        if isinstance(earlier, dict):
+            history["base_model_history"] = {key: earlier.get(key) for key in
+                                             ("base_model", "dataset", "data", "train_steps", "preset")}
+    return history
+
+
 def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_size: int, num_beams: int,
-           push: HubPush | None = None) -> dict[str, Any]:
+           push: HubPush | None = None, stopped_by: str | None = None) -> dict[str, Any]:
     """The end of a training run, on the main process only, once the final (averaged) model and its tokenizer are in
     --output_dir: translate and score the test split if the data has one (`evaluate_test_set`: beam search, §6.1;
     BLEU two ways), print --num_samples sample translations and the scores, write `test_translations.txt` and
-    `metrics.json` (atomically; with the whole command's minutes), and with `push` upload the Hub-ready export.
+    `metrics.json` (atomically; with the whole command's minutes, the run's history of `run_history` and
+    `weights_sha256`, the fingerprint of the weights scored), and with `push` upload the Hub-ready export.
 
-    `metrics` is updated in place and returned, with `source_lang`, `target_lang` and `dataset` added (the model card
-    of `training/export.py` reads them).
+    `stopped_by`: the signal that stopped training ("SIGTERM"): the test translation and the upload are skipped (a
+    scheduler that sends SIGTERM kills soon after), and metrics.json says so.
+
+    `metrics` is updated in place and returned, with `source_lang`, `target_lang` and the history added (the model
+    card of `training/export.py` reads them).
     """
     from .evaluate_bleu import evaluate_test_set
 
     data_args, output_dir = run.data_args, run.output_dir
-    metrics.update(source_lang=data_args.source_lang, target_lang=data_args.target_lang,
-                   dataset=dataset_label(data_args))
-    if "test" in raw:
+    metrics.update(source_lang=data_args.source_lang, target_lang=data_args.target_lang, **run_history(run, raw))
+    if stopped_by:
+        metrics["stopped_by"] = stopped_by
+        logger.warning("Stopped by %s: the test set is not translated. Score the model with vaswani-evaluate "
+                       "--model %s.", stopped_by, output_dir)
+    elif "test" in raw:
         test = select(raw["test"], data_args.max_test_samples)
         result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=batch_size, num_beams=num_beams,
                                    is_multi30k=is_multi30k(data_args))
@@ -359,6 +516,7 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
         samples = list(zip(result["sources"], result["hypotheses"], result["references"]))
         for source, hypothesis, reference in samples[: run.recipe.num_samples]:
             print(f"  source:    {source}\n  output:    {hypothesis}\n  reference: {reference}\n")
+    metrics["weights_sha256"] = weights_fingerprint(output_dir)
     metrics["command_minutes"] = round((time.monotonic() - process_start_monotonic()) / 60, 2)
     write_json_atomic(output_dir / "metrics.json", metrics)
     print(f"Test BLEU (sacreBLEU, detokenized): {metrics.get('test_bleu')}   "
@@ -368,10 +526,11 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     budget = run.plan.budget_minutes
     print(f"Model, tokenizer and metrics.json written to {output_dir}")
     print(f"Whole command: {metrics['command_minutes']} min" + (f" (time budget {budget:g} min)" if budget else ""))
-    if push is not None:
+    if push is not None and not stopped_by:
         from .export import export_and_push
 
-        export_and_push(output_dir, repo_id=push.repo_id, token=push.token, private=push.private)
+        export_and_push(output_dir, repo_id=push.repo_id, token=push.token, private=push.private,
+                        endpoint=push.endpoint)
     return metrics
 
 

@@ -1,6 +1,6 @@
 """The checks only the commands need, on top of `vaswani_hf.checks`: a device that is there, a model and tokenizer to
 start from, an `--output_dir` that holds no other run, `--average_last` that has the checkpoints it averages, and
-`--resume_from_checkpoint` resolved to a complete checkpoint.
+`--resume_from_checkpoint` resolved to a complete checkpoint with finite weights, of a run with the same settings.
 
 Every check raises `vaswani_hf.checks.CheckError` (a `ValueError`) naming the flag or folder at fault, what is wrong
 and what to do.
@@ -15,7 +15,12 @@ that it renames when complete; the same check applies to it.
 
 A checkpoint is complete when it holds every file of its layout and each can be read to its end: the safetensors
 header describes exactly the bytes in the file, the `torch.save` files (zip archives) pass their CRC checks, and
-`trainer_state.json` parses and names the folder's step. The contents are never unpickled here.
+`trainer_state.json` parses and names the folder's step. The contents are never unpickled here. A complete checkpoint
+whose weights hold NaN or infinite values (the run diverged) is never resumed from.
+
+Each checkpoint also carries `vaswani_run.json` (`RUN_SETTINGS`): the settings that must not change when the run is
+resumed (preset, batch tokens, schedule, starting model, languages). `check_resume_settings` compares them with the
+resuming command's before any work.
 """
 
 from __future__ import annotations
@@ -35,15 +40,17 @@ from vaswani_hf.checks import (
     check_model_folder,
     check_output_dir,
     check_output_not_in_inputs,
+    nonfinite_weights,
     read_json,
     weights_problems,
 )
 
 logger = logging.getLogger("vaswani_hf.training")
 
-__all__ = ["CHECKPOINT_FILES", "average_current_run", "check_average_last", "check_device", "check_model_inputs",
-           "check_run_output_dir", "checkpoint_problems", "current_run_checkpoints", "resolve_resume_checkpoint",
-           "resolve_resume_value"]
+__all__ = ["CHECKPOINT_FILES", "RUN_SETTINGS", "average_current_run", "check_average_last",
+           "check_average_last_resumed", "check_device", "check_model_inputs", "check_resume_settings",
+           "check_run_output_dir", "check_sentence_lengths", "checkpoint_problems", "checkpoint_step",
+           "current_run_checkpoints", "resolve_resume_checkpoint", "resolve_resume_value"]
 
 # Files a finished or running training run leaves in its output_dir; a new run would overwrite or mix with them.
 RUN_FILES = ("model.safetensors", "metrics.json", "trainer_state.json", "test_translations.txt")
@@ -56,6 +63,10 @@ CHECKPOINT_FILES = {
 _OTHER_LOOP = {"trainer": ("optimizer.bin", "train_no_trainer.py"), "accelerate": ("optimizer.pt", "train.py")}
 _CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 _RESUME_LAST = ("true", "last", "latest")
+# The settings of a run that a resumed run must share, written into every checkpoint.
+RUN_SETTINGS = "vaswani_run.json"
+# Config fields that the tokenizer sets (its size and special ids); --config_overrides cannot change them.
+TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 
 # -- devices and inputs ------------------------------------------------------------------------------------------------
@@ -91,7 +102,8 @@ def check_device(name: str | None) -> str:
 
 def check_model_inputs(model_name_or_path: str | None, tokenizer_name: str | None,
                        config_overrides: str | None) -> None:
-    """Before data preparation: --config_overrides cannot apply to a saved model (refused, not ignored); a local
+    """Before data preparation: --config_overrides cannot apply to a saved model (refused, not ignored) nor set what
+    the tokenizer sets (`TOKENIZER_FIELDS`); a local
     --model_name_or_path is a complete vaswani folder (`check_model_folder`); every JSON file of a local
     --tokenizer_name parses (errors name the file).
 
@@ -102,6 +114,13 @@ def check_model_inputs(model_name_or_path: str | None, tokenizer_name: str | Non
         raise CheckError(f"--config_overrides {config_overrides!r} cannot apply to --model_name_or_path "
                          f"{model_name_or_path}: a saved model keeps the config it was trained with. Drop "
                          f"--config_overrides to continue that model, or drop --model_name_or_path to train a new one.")
+    from .presets import parse_overrides
+
+    fixed = sorted(set(parse_overrides(config_overrides)) & set(TOKENIZER_FIELDS))
+    if fixed:
+        raise CheckError(f"--config_overrides {', '.join(fixed)}: set by the joint BPE (its size and the ids of <pad>, "
+                         f"<s> and </s>), so that the model and its tokenizer agree. Drop {', '.join(fixed)} from "
+                         f"--config_overrides; --vocab_size sets the vocabulary's size.")
     if model_name_or_path and (Path(model_name_or_path).exists() or not _looks_like_hub_id(model_name_or_path)):
         check_model_folder(model_name_or_path, need_tokenizer=not tokenizer_name)
     if tokenizer_name and (Path(tokenizer_name).exists() or not _looks_like_hub_id(tokenizer_name)):
@@ -113,6 +132,34 @@ def check_model_inputs(model_name_or_path: str | None, tokenizer_name: str | Non
                              f"tokenizer.save_pretrained().")
         for path in sorted(folder.glob("*.json")):
             read_json(path)
+
+
+def check_sentence_lengths(model, tokenizer, sentences: list[str], *, names: list[str]) -> None:
+    """Before the first sentence is translated: every non-empty sentence fits the positions the model takes
+    (`VaswaniConfig.max_positions`: the learned table, or the longest attention it computes), so that a long line near
+    the end does not fail the command after the batches before it were translated and thrown away.
+
+    `names`: where each sentence comes from ("file:line"), for the message.
+
+    Raises:
+        CheckError: naming the first sentence too long, its length and the limit.
+    """
+    limit = getattr(model.config, "max_positions", None)
+    if limit is None or getattr(model.config, "model_type", None) != "vaswani":
+        return
+    index = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+    if not index:
+        return
+    lengths = [len(ids) for ids in tokenizer([sentences[i] for i in index])["input_ids"]]
+    too_long = [(i, n) for i, n in zip(index, lengths) if n > limit]
+    if too_long:
+        i, n = too_long[0]
+        what = ("learned positions, max_position_embeddings" if model.config.position_embedding_type == "learned"
+                else "the longest attention it computes")
+        others = f" ({len(too_long)} sentences are too long)" if len(too_long) > 1 else ""
+        raise CheckError(f"{names[i]}: the sentence is {n} tokens long, more than the {limit} positions this model "
+                         f"takes ({what}){others}. Nothing was translated. Split such lines into sentences, or shorten "
+                         f"them.")
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -195,6 +242,40 @@ def check_average_last(average_last: int, *, save_total_limit: int | None, save_
     return save_total_limit
 
 
+def checkpoint_step(folder: str | os.PathLike) -> int | None:
+    """The step of a `checkpoint-<step>` folder, from its name; None for another name."""
+    match = _CHECKPOINT_NAME.fullmatch(Path(folder).name)
+    return int(match.group(1)) if match else None
+
+
+def check_average_last_resumed(average_last: int, *, resume_from: str | os.PathLike, output_dir: str | os.PathLike,
+                               max_steps: int | None, save_steps: int | float | None,
+                               save_total_limit: int | None) -> None:
+    """`--average_last N` of a resumed run, before any work: the checkpoints it will hold at the end (those in
+    `output_dir` now and those saved from the resumed step to `max_steps`, at most `save_total_limit`) must be at least
+    N, or averaging would fail after the training.
+
+    Raises:
+        CheckError: fewer than N, with the counts and the flags that change them.
+    """
+    step = checkpoint_step(resume_from)
+    if not average_last or step is None or not max_steps or max_steps < 0 or not save_steps or save_steps < 1:
+        return
+    every = int(save_steps)
+    present = {checkpoint_step(p) for p in _checkpoint_folders(Path(output_dir))} | {step}
+    new = set(range(every * (step // every + 1), max_steps + 1, every))
+    if max_steps > step:
+        new.add(max_steps)  # the last step is always saved
+    kept = len(present | new)
+    if save_total_limit:
+        kept = min(kept, save_total_limit)
+    if kept < average_last:
+        raise CheckError(
+            f"--average_last {average_last}: resuming {Path(resume_from).name} to --max_steps {max_steps} with "
+            f"--save_steps {every} leaves {kept} checkpoint(s) in {output_dir} to average. Lower --average_last to "
+            f"{kept} or less, raise --max_steps, or lower --save_steps.")
+
+
 def current_run_checkpoints(output_dir: str | os.PathLike, *, started: float, resuming: bool) -> list[Path]:
     """The `checkpoint-<step>` folders of this run, oldest first: with `resuming`, all of them (they belong to the
     run being continued); otherwise only those saved since `started` (a `time.time()`), never an earlier run's."""
@@ -224,7 +305,7 @@ def average_current_run(output_dir: str | os.PathLike, n: int, *, started: float
                          f"({names}); earlier runs' checkpoints are never averaged in. The unaveraged model is saved "
                          f"there; average what there is with vaswani-average --checkpoints ..., or train longer.")
     chosen = mine[-n:]
-    save_averaged_model(average_checkpoints(chosen), chosen[-1], output_dir, sources=chosen)
+    save_averaged_model(average_checkpoints(chosen), chosen[-1], output_dir, sources=chosen, in_place=True)
     return chosen
 
 
@@ -288,6 +369,7 @@ def _newest_complete(output_dir: Path, asked: str, layout: str) -> str:
     for folder in candidates:
         problems = checkpoint_problems(folder, layout=layout)
         if not problems:
+            _check_finite(folder, asked, layout)
             for name, why in skipped:
                 logger.warning("Not resuming from %s, which is incomplete (%s); it is newer than %s, which is "
                                "complete.", name, why, folder.name)
@@ -321,8 +403,8 @@ def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | os.Pat
     Returns:
         the folder to resume from, or None.
     Raises:
-        CheckError: no checkpoint at all, none complete, or the named folder is incomplete/missing; the message
-            lists what is wrong and the newest complete alternative, if any.
+        CheckError: no checkpoint at all, none complete, the named folder is incomplete/missing, or the checkpoint's
+            weights hold NaN or infinite values; the message lists what is wrong and the alternative, if any.
     """
     if resolve_resume_value(value) is None:
         return None
@@ -344,4 +426,61 @@ def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | os.Pat
         raise CheckError(
             f"--resume_from_checkpoint {value}: this checkpoint is incomplete or damaged ({'; '.join(problems)}), "
             f"so resuming from it would not continue the run.{alternative}")
+    _check_finite(folder, str(value), layout)
     return str(folder)
+
+
+def _check_finite(folder: Path, asked: str, layout: str) -> None:
+    """Refuse a checkpoint whose weights hold NaN or infinite values: resuming it would log NaN losses to the end and
+    replace the run's model and metrics with a broken one.
+
+    Raises:
+        CheckError: naming the checkpoint, the tensors, and the newest earlier checkpoint with finite weights.
+    """
+    bad = nonfinite_weights(folder)
+    if not bad:
+        return
+    earlier = ""
+    for other in _checkpoint_folders(folder.parent)[::-1]:
+        step, this = checkpoint_step(other), checkpoint_step(folder)
+        if step is not None and this is not None and step < this and not checkpoint_problems(other, layout=layout) \
+                and not nonfinite_weights(other):
+            earlier = (f" The newest earlier checkpoint with finite weights is {other}: resume from it "
+                       f"(--resume_from_checkpoint {other}), with a lower --lr_factor or more --warmup_steps.")
+            break
+    raise CheckError(
+        f"--resume_from_checkpoint {asked}: the weights of {folder} hold NaN or infinite values ({len(bad)} tensor(s): "
+        f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): the run diverged before this checkpoint was saved, "
+        f"and resuming it would train on NaN.{earlier or ' Start a new run with a lower --lr_factor.'}")
+
+
+def check_resume_settings(checkpoint: str | os.PathLike, settings: dict, *, model_config: dict | None = None) -> None:
+    """Refuse to resume `checkpoint` with settings other than its run's: `settings` (this command's, as
+    `training.run.run_settings` gives them) against the checkpoint's `vaswani_run.json`; where a checkpoint has no such
+    file, the model's shape in its config.json against `model_config` (the config fields this command would build).
+
+    Raises:
+        CheckError: naming each setting, the run's value and this command's, and what to pass.
+    """
+    checkpoint = Path(checkpoint)
+    saved_path = checkpoint / RUN_SETTINGS
+    differing = []
+    if saved_path.is_file():
+        saved = read_json(saved_path)
+        if isinstance(saved, dict):
+            for key, value in settings.items():
+                if key in saved and saved[key] != value:
+                    differing.append((key, saved[key], value))
+    elif model_config:
+        config = read_json(checkpoint / "config.json")
+        for key, value in model_config.items():
+            if isinstance(config, dict) and key in config and config[key] != value:
+                differing.append((f"config {key}", config[key], value))
+    if differing:
+        listing = "; ".join(f"{key if key.startswith('config ') else '--' + key}: the run has {old!r}, this command "
+                            f"{new!r}" for key, old, new in differing)
+        raise CheckError(
+            f"--resume_from_checkpoint {checkpoint}: this command's settings differ from the run's ({listing}). A "
+            f"resumed run must continue with its own model, batches and schedule: pass the run's values (see "
+            f"{saved_path.name if saved_path.is_file() else 'config.json'} in the checkpoint), or start a new run in "
+            f"another --output_dir.")

@@ -11,6 +11,10 @@ The recipe (§5.3-5.4): Adam(0.9, 0.98, 1e-9); lr = factor * d_model^-0.5 * min(
 label smoothing 0.1 (in the model's loss, exact under gradient accumulation); dropout 0.1; token-budget batches.
 Validation BLEU during training through `predict_with_generate` (beam 4, length penalty 0.6); at the end the test
 set is translated and scored (sacreBLEU and lowercased tokenized BLEU) and `<output_dir>/metrics.json` is written.
+
+SIGINT or SIGTERM stops training after the current step (or at once during validation, which is cut short) with a
+checkpoint. After SIGINT the run ends as usual (averaging, test BLEU, metrics.json); after SIGTERM, which schedulers
+follow with SIGKILL, it saves the model and metrics.json without the test translation and exits.
 """
 
 from __future__ import annotations
@@ -23,17 +27,23 @@ import time
 if __package__ in (None, ""):  # run as a file (python training/train.py): import as vaswani_training
     __package__ = "vaswani_training"
 
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
 from torch.utils.data import DataLoader
 from transformers import (
     DataCollatorForSeq2Seq,
     HfArgumentParser,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TrainerCallback,
     set_seed,
 )
 
-from vaswani_hf.checks import CheckError
+from vaswani_hf.checks import CheckError, follow_umask, weight_files
 from vaswani_hf.data import example_lengths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
@@ -56,12 +66,13 @@ from .run import (
     given_flags,
     new_run,
     prepare,
+    retire_previous_results,
     run_metrics,
     seconds_per_test_sentence,
     start_process,
     strip_hub_token,
+    write_run_settings,
 )
-from .run_checks import resolve_resume_checkpoint, resolve_resume_value
 
 logger = logging.getLogger("vaswani_hf.train")
 
@@ -85,12 +96,62 @@ TRAINER_DEFAULTS = {
 }
 
 
-class PaperTrainer(Seq2SeqTrainer):
-    """Seq2SeqTrainer with the paper's optimizer and schedule (§5.3) and token-budget training batches (§5.1)."""
+class ValidationInterrupted(Exception):
+    """A stop signal arrived during validation inside training (raised between and inside validation batches)."""
 
-    def __init__(self, *args, max_tokens: int, d_model: int, warmup: int, lr_factor: float, **kwargs):
+
+class StopWhen(StoppingCriteria):
+    """Ends a `generate()` call at its next token once `requested()` is true (a validation batch cut short)."""
+
+    def __init__(self, requested: Callable[[], bool]):
+        self.requested = requested
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.requested(), dtype=torch.bool, device=input_ids.device)
+
+
+class PaperTrainer(Seq2SeqTrainer):
+    """Seq2SeqTrainer with the paper's optimizer and schedule (§5.3) and token-budget training batches (§5.1).
+
+    `stop_requested`: a callable that turns true when training should stop (a signal, `TimeLimit.stop_requested`);
+    validation inside training then ends within one decoding step instead of running to the end of the validation
+    set, and the step's checkpoint is saved.
+    """
+
+    def __init__(self, *args, max_tokens: int, d_model: int, warmup: int, lr_factor: float,
+                 stop_requested: Callable[[], bool] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_tokens, self.d_model, self.warmup, self.lr_factor = max_tokens, d_model, warmup, lr_factor
+        self.stop_requested = stop_requested
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
+        """Seq2SeqTrainer's evaluation; with `stop_requested`, cut short when it turns true: no metrics, and the
+        training step's checkpoint is saved before training stops."""
+        if self.stop_requested is None:
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+                                    **gen_kwargs)
+        criteria = StoppingCriteriaList([*(gen_kwargs.pop("stopping_criteria", None) or []),
+                                         StopWhen(self.stop_requested)])
+        try:
+            if self.stop_requested():
+                raise ValidationInterrupted
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+                                    stopping_criteria=criteria, **gen_kwargs)
+        except ValidationInterrupted:
+            logger.warning("Validation cut short by the stop signal: saving a checkpoint of step %d and stopping.",
+                           self.state.global_step)
+            self.control.should_evaluate = False  # on_evaluate, which would reset it, is not reached
+            self.control.should_save = True
+            self.control.should_training_stop = True
+            return {}
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        if self.stop_requested is not None and self.stop_requested():
+            raise ValidationInterrupted
+        output = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+        if self.stop_requested is not None and self.stop_requested():  # its translations were cut short
+            raise ValidationInterrupted
+        return output
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Seq2SeqTrainer's loss, label-smoothed by `config.label_smoothing` (0.1, §5.4) in training steps only; the
@@ -136,6 +197,12 @@ class TimeLimit(TrainerCallback):
     def __init__(self, minutes: float | None):
         self.deadline = time.monotonic() + minutes * 60 if minutes else None
         self.interrupted = False
+        self.signal: int | None = None  # the signal that stopped training
+        self.training = False
+
+    def stop_requested(self) -> bool:
+        """True once a signal has asked training to stop, while training runs (validation is then cut short)."""
+        return self.training and self.interrupted
 
     def on_train_begin(self, args, state, control, **kwargs):
         def stop(signum, frame):
@@ -144,12 +211,15 @@ class TimeLimit(TrainerCallback):
             logger.warning("Signal %d received: saving a checkpoint and stopping after this step (send it again to "
                            "stop at once, without saving).", signum)
             self.interrupted = True
+            self.signal = signum
 
         signals = [signal.SIGINT] + ([signal.SIGTERM] if hasattr(signal, "SIGTERM") else [])
         self._previous_handlers = {signum: signal.signal(signum, stop) for signum in signals}
+        self.training = True
 
     def on_train_end(self, args, state, control, **kwargs):
         # The final evaluation after training is interrupted by Ctrl-C as usual again.
+        self.training = False
         for signum, handler in getattr(self, "_previous_handlers", {}).items():
             signal.signal(signum, handler)
 
@@ -162,6 +232,21 @@ class TimeLimit(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+class CheckpointSettings(TrainerCallback):
+    """Writes the run's settings into each checkpoint (`run_checks.RUN_SETTINGS`, read when the run is resumed) and
+    gives its weights the modes of the user's umask."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            write_run_settings(self.run, folder)
+            for path in weight_files(folder):
+                follow_umask(path)
 
 
 def precision_choice(training_args: Seq2SeqTrainingArguments, run: Run) -> tuple[str, str]:
@@ -215,20 +300,21 @@ def main(argv: list[str] | None = None) -> dict:
             setattr(training_args, key, value)
     run = new_run(model_args, data_args, recipe, preset=preset, output_dir=training_args.output_dir,
                   max_steps=training_args.max_steps, warmup_steps=warmup, max_steps_given="max_steps" in given,
-                  device_type=training_args.device.type,
-                  resuming=bool(resolve_resume_value(training_args.resume_from_checkpoint)))
+                  device_type=training_args.device.type, resume_value=training_args.resume_from_checkpoint)
+    if training_args.device.type == "cpu":  # pinned memory speeds copies to a GPU only; on a CPU torch warns
+        training_args.dataloader_pin_memory = False
     check_distributed(training_args.world_size)
-    training_args.save_total_limit = check_inputs(
-        run, save_total_limit=training_args.save_total_limit, save_total_limit_given="save_total_limit" in given,
-        saving=getattr(training_args.save_strategy, "value", training_args.save_strategy) != "no",
-        save_steps=training_args.save_steps)
     # --push_to_hub: the Trainer's own pushes (a commit per checkpoint, its own model card) are off; at the end the
     # run is exported as a Hub-ready folder (training/export.py: remote code, model card with the test BLEU) and that
     # folder is uploaded. The token is kept out of the arguments Trainer pickles into training_args.bin.
     hub_token = strip_hub_token(training_args)
-    push = HubPush(training_args.hub_model_id, hub_token, training_args.hub_private_repo) \
+    push = HubPush(training_args.hub_model_id, hub_token, training_args.hub_private_repo, recipe.hub_endpoint) \
         if training_args.push_to_hub else None
     training_args.push_to_hub = False
+    training_args.save_total_limit = check_inputs(
+        run, save_total_limit=training_args.save_total_limit, save_total_limit_given="save_total_limit" in given,
+        saving=getattr(training_args.save_strategy, "value", training_args.save_strategy) != "no",
+        save_steps=training_args.save_steps, push=push)
     with claim_output_dir(run, main_process=training_args.process_index == 0):
         # Chosen once the run is accepted: on a CPU with native bf16 it times both precisions (about 2 s).
         run.plan.precision, run.plan.precision_reason = precision_choice(training_args, run)
@@ -265,7 +351,8 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         refs = [[s.strip()] for s in tokenizer.batch_decode(labels, skip_special_tokens=True)]
         return {"bleu": round(bleu.compute(predictions=hyps, references=refs)["score"], 2)}
 
-    callbacks: list[TrainerCallback] = [TimeLimit(plan.max_train_minutes)]
+    time_limit = TimeLimit(plan.max_train_minutes)
+    callbacks: list[TrainerCallback] = [time_limit, CheckpointSettings(run)]
     planner = None
     if plan.budget_minutes:
         planner = BudgetPlanner(
@@ -288,18 +375,25 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         d_model=model.config.d_model,
         warmup=plan.warmup_steps,
         lr_factor=plan.lr_factor,
+        stop_requested=time_limit.stop_requested,
     )
 
-    # "last"/"true" or a run folder: its newest *complete* checkpoint (a kill while saving leaves incomplete ones).
-    resume = resolve_resume_checkpoint(training_args.resume_from_checkpoint, run.output_dir)
+    # The newest *complete* checkpoint with finite weights of "last"/"true" or a run folder, as `check_inputs` found.
     start = time.perf_counter()
-    train_result = trainer.train(resume_from_checkpoint=resume)
+    train_result = trainer.train(resume_from_checkpoint=plan.resume_from)
     train_seconds = time.perf_counter() - start
-    trainer.save_model()  # every process calls it; the main one writes
+    stopped_by = "SIGTERM" if time_limit.signal == getattr(signal, "SIGTERM", None) else None
     main_process = trainer.is_world_process_zero()
+    if main_process:  # an earlier run's metrics never stand beside this run's weights
+        retire_previous_results(run)
+    trainer.save_model()  # every process calls it; the main one writes
     if main_process:  # one writer: the processes may share the filesystem
         tokenizer.save_pretrained(run.output_dir)
+        if stopped_by:  # averaging reads every checkpoint; a SIGTERM asks for a quick end
+            run.recipe.average_last = 0
         average_into(run, trainer.model)
+        for path in weight_files(run.output_dir):
+            follow_umask(path)
 
     state = trainer.state
     src_lengths, tgt_lengths = example_lengths(tokenized["train"])
@@ -315,7 +409,7 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         metrics["plan"] = planner.plans[-1]
     if main_process:  # test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways; metrics.json; the upload
         finish(run, trainer.model, tokenizer, raw, metrics, batch_size=training_args.per_device_eval_batch_size,
-               num_beams=training_args.generation_num_beams, push=push)
+               num_beams=training_args.generation_num_beams, push=push, stopped_by=stopped_by)
     return metrics
 
 

@@ -58,7 +58,7 @@ from transformers import DataCollatorForSeq2Seq, HfArgumentParser, set_seed
 
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.averaging import find_checkpoints
-from vaswani_hf.checks import CheckError, read_json
+from vaswani_hf.checks import CheckError, follow_umask, read_json, weight_files
 from vaswani_hf.schedule import paper_optimizer_and_schedule
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
@@ -79,11 +79,13 @@ from .run import (
     finish,
     new_run,
     prepare,
+    retire_previous_results,
     run_metrics,
+    run_settings,
     start_process,
     training_deadline,
 )
-from .run_checks import resolve_resume_checkpoint, resolve_resume_value
+from .run_checks import RUN_SETTINGS
 
 logger = logging.getLogger("vaswani_hf.train_no_trainer")
 
@@ -151,10 +153,12 @@ def check_loop_arguments(loop: LoopArguments) -> None:
         raise CheckError(f"--mixed_precision must be no, fp16 or bf16, got {loop.mixed_precision!r}.")
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, tokenizer, *, keep: int | None) -> Path:
-    """`accelerator.save_state` into `.tmp-checkpoint-<step>`, plus the tokenizer and the loop state, then rename it
-    `checkpoint-<step>` (so a folder of that name is always complete) and delete all but the `keep` newest. Every
-    process must call it (each writes its RNG state); output_dir must be on a filesystem all nodes share."""
+def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, tokenizer, *, keep: int | None,
+                    settings: dict | None = None) -> Path:
+    """`accelerator.save_state` into `.tmp-checkpoint-<step>`, plus the tokenizer, the loop state and the run's
+    `settings` (`run_checks.RUN_SETTINGS`, read when it is resumed), then rename it `checkpoint-<step>` (so a folder of
+    that name is always complete) and delete all but the `keep` newest. Every process must call it (each writes its
+    RNG state); output_dir must be on a filesystem all nodes share."""
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f"{TMP_PREFIX}checkpoint-{step}"
     if accelerator.is_main_process:
@@ -165,6 +169,9 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, token
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / STATE_NAME, state)
+        if settings is not None:
+            write_json_atomic(tmp / RUN_SETTINGS, settings)
+        follow_umask(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if final.exists():  # a run over the same output_dir
@@ -203,10 +210,11 @@ def run(argv: list[str] | None = None):
                   max_steps=loop.max_steps or preset["max_steps"],
                   warmup_steps=loop.warmup_steps or preset["warmup_steps"], max_steps_given=loop.max_steps is not None,
                   device_type="cpu" if loop.cpu or not _has_accelerator_device() else "cuda",
-                  resuming=bool(resolve_resume_value(loop.resume_from_checkpoint)))
+                  resume_value=loop.resume_from_checkpoint)
+    push = HubPush(loop.hub_model_id, loop.hub_token, loop.hub_private_repo, recipe.hub_endpoint) \
+        if loop.push_to_hub else None
     check_inputs(job, save_total_limit=loop.save_total_limit, save_total_limit_given=False, saving=True,
-                 save_steps=loop.checkpointing_steps or job.plan.max_steps)
-    push = HubPush(loop.hub_model_id, loop.hub_token, loop.hub_private_repo) if loop.push_to_hub else None
+                 save_steps=loop.checkpointing_steps or job.plan.max_steps, layout="accelerate", push=push)
     with claim_output_dir(job, main_process=int(os.environ.get("RANK", "0")) == 0):
         return _run(job, loop, push=push)
 
@@ -280,8 +288,8 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
     accelerator.register_load_state_pre_hook(load_model_hook)
 
     completed, log_history = 0, []
-    # "last"/"latest" or a run folder: its newest complete checkpoint of this loop.
-    checkpoint = resolve_resume_checkpoint(loop.resume_from_checkpoint, output_dir, layout="accelerate")
+    # "last"/"latest" or a run folder: its newest complete checkpoint of this loop, as `check_inputs` found.
+    checkpoint = plan.resume_from
     if checkpoint is not None:
         accelerator.load_state(checkpoint)
         saved_state = read_json(Path(checkpoint) / STATE_NAME)
@@ -353,7 +361,7 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
         if stop or completed == max_steps or (loop.checkpointing_steps and completed % loop.checkpointing_steps == 0):
             save_checkpoint(accelerator, output_dir, completed,
                             {"global_step": completed, "max_steps": max_steps, "log_history": log_history},
-                            tokenizer, keep=keep)
+                            tokenizer, keep=keep, settings=run_settings(job))
         if stop:
             break
     batches.close()
@@ -368,7 +376,10 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
     metrics["train_target_tokens"] = int(target_tokens.item())  # labelled target tokens, all processes
     metrics["gradient_accumulation_steps"] = accumulation
     if accelerator.is_main_process:
+        retire_previous_results(job)  # an earlier run's metrics never stand beside these weights
         unwrapped.save_pretrained(output_dir)
+        for path in weight_files(output_dir):
+            follow_umask(path)
         tokenizer.save_pretrained(output_dir)
         write_json_atomic(output_dir / STATE_NAME,
                           {"global_step": completed, "max_steps": max_steps, "log_history": log_history})

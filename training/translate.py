@@ -38,19 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def decode_lines(raw: bytes, name: str) -> list[str]:
-    """UTF-8 bytes -> lines, split on "\\n" only (as `vaswani_hf.data.read_lines`, so U+2028 and the like inside a
-    sentence keep the output aligned with the input), without "\\r"; empty lines kept.
+    """UTF-8 bytes -> lines, ended by "\\n", "\\r\\n" or a lone "\\r" but never by U+2028 and the like inside a
+    sentence (`vaswani_hf.data.split_lines`, as the training data is read), so the output stays aligned with the
+    input; empty lines kept.
 
     Raises:
         SystemExit: bytes that are not UTF-8, naming `name`, the line and the byte.
     """
-    chunks = raw.split(b"\n")
-    if chunks and chunks[-1] == b"":
-        chunks.pop()
+    from vaswani_hf.data import split_lines
+
     lines = []
-    for lineno, chunk in enumerate(chunks, start=1):
+    for lineno, chunk in enumerate(split_lines(raw), start=1):
         try:
-            lines.append(chunk.decode("utf-8").removesuffix("\r"))
+            lines.append(chunk.decode("utf-8"))
         except UnicodeDecodeError as error:
             raise SystemExit(f"{name}:{lineno}: not valid UTF-8 (byte {chunk[error.start:error.start + 1]!r} at byte "
                              f"offset {error.start} of the line). Re-encode the input as UTF-8, e.g. "
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model)
     from vaswani_hf.checks import CheckError, check_model_folder, check_output_file
 
-    from .run_checks import check_device
+    from .run_checks import check_device, check_sentence_lengths
 
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer
         check_model_folder(model_dir)
@@ -109,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code,
                                                   use_safetensors=True).to(device)
+    where = "stdin" if args.input == "-" else args.input
+    try:  # every sentence fits the model before the first batch is translated
+        check_sentence_lengths(model, tokenizer, lines, names=[f"{where}:{i + 1}" for i in range(len(lines))])
+    except CheckError as error:
+        raise SystemExit(str(error)) from None
     generate_fn = None
     if args.length_penalty_style == "gnmt":
         from vaswani_hf.decoding import paper_generate

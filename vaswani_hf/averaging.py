@@ -13,7 +13,11 @@ code files, and ``averaged_from.json`` naming the checkpoints. Weights that the 
 are tied (the shared embeddings and the output projection, §3.4) are stored once again, so they stay tied when the
 folder is loaded with ``from_pretrained``.
 
-Every file is written to a temporary file in the output folder first and then renamed over its final name.
+A new output folder is written whole under a temporary name beside it and then renamed (an existing earlier average
+is swapped out only once the new one is complete), so a kill never leaves new weights beside an old
+``averaged_from.json``. Inside a training run's own folder (``in_place=True``) every file is written to a temporary file
+and renamed, ``averaged_from.json`` last. Checkpoints whose weights are truncated or hold NaN or infinite values are
+refused, naming the file.
 """
 
 from __future__ import annotations
@@ -28,17 +32,20 @@ from pathlib import Path
 
 import torch
 
+from .checks import CheckError, follow_umask, read_json, safetensors_problem
+
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Fields of config.json that may differ between checkpoints of one run.
 _CONFIG_FIELDS_IGNORED = ("transformers_version", "_name_or_path")
 # Files of a Trainer (or accelerate save_state) checkpoint that are not part of the model: weights (written anew),
-# optimizer, scheduler and RNG states (pickles), Trainer state.
+# optimizer, scheduler and RNG states (pickles), Trainer state, the run's settings.
 _NOT_COPIED = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|pkl)$|model\.safetensors\.index\.json$"
-                         r"|trainer_state\.json$|training_args\.bin$|rng_state.*|random_states.*")
+                         r"|trainer_state\.json$|training_args\.bin$|rng_state.*|random_states.*|vaswani_run\.json$")
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
-__all__ = ["average_checkpoints", "average_last_checkpoints", "find_checkpoints", "save_averaged_model"]
+__all__ = ["average_checkpoints", "average_last_checkpoints", "check_average_output", "find_checkpoints",
+           "save_averaged_model"]
 
 
 def find_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -61,7 +68,10 @@ def _weight_files(folder: Path) -> list[Path]:
         return [single]
     index = folder / WEIGHTS_INDEX_NAME
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        try:
+            shards = sorted(set(read_json(index)["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError):
+            raise CheckError(f"{index}: no weight_map of shard files; the index is damaged.") from None
         return [folder / shard for shard in shards]
     others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
     hint = (f" It has {', '.join(others)}, which would need torch.load (pickle); save checkpoints with "
@@ -74,7 +84,9 @@ def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} is not a model checkpoint: it has no config.json.")
-    config = json.loads(path.read_text(encoding="utf-8"))
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise CheckError(f"{path}: expected a JSON object, got {type(config).__name__}; the file is damaged.")
     for key in _CONFIG_FIELDS_IGNORED:
         config.pop(key, None)
     return config
@@ -92,11 +104,24 @@ def _check_same_config(folders: Sequence[Path]) -> None:
 
 
 def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights of one checkpoint, refused (naming the file) when a file is truncated or a tensor is not finite."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(folder):
-        state.update(load_file(str(path), device="cpu"))
+        problem = safetensors_problem(path)
+        if problem:
+            raise CheckError(f"{folder}: cannot average this checkpoint ({problem}). A run killed while saving leaves "
+                             f"such files; leave the checkpoint out (--checkpoints ...) or copy it again.")
+        weights = load_file(str(path), device="cpu")
+        bad = [name for name, tensor in weights.items()
+               if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+        if bad:
+            raise CheckError(f"{path}: {len(bad)} tensor(s) hold NaN or infinite values ({', '.join(bad[:3])}"
+                             f"{', ...' if len(bad) > 3 else ''}): training diverged before this checkpoint was "
+                             f"saved, and its average would be NaN too. Average earlier checkpoints "
+                             f"(--checkpoints ...).")
+        state.update(weights)
     return state
 
 
@@ -113,6 +138,7 @@ def average_checkpoints(paths: Sequence[str | os.PathLike]) -> dict[str, torch.T
         ValueError: no paths; configs that differ (the message names both folders and the fields); different
             parameter names or shapes.
         FileNotFoundError: a folder without config.json or safetensors weights.
+        CheckError (a ValueError): a truncated weights file, or weights holding NaN or infinite values, naming it.
     """
     folders = [Path(p) for p in paths]
     if not folders:
@@ -145,14 +171,7 @@ def average_checkpoints(paths: Sequence[str | os.PathLike]) -> dict[str, torch.T
 
 
 def _atomic_copy(source: Path, destination: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        shutil.copyfile(source, tmp)
-        os.replace(tmp, destination)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _atomic_write(destination, lambda tmp: shutil.copyfile(source, tmp))
 
 
 def _atomic_write(destination: Path, write) -> None:
@@ -160,43 +179,114 @@ def _atomic_write(destination: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        follow_umask(tmp)
         os.replace(tmp, destination)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
+def _model_files(template: Path) -> list[Path]:
+    """The files of checkpoint `template` that an averaged model folder carries (all but weights and training
+    state)."""
+    return [path for path in sorted(template.iterdir()) if path.is_file() and not _NOT_COPIED.match(path.name)]
+
+
+def check_average_output(save_to: str | os.PathLike, template: str | os.PathLike,
+                         sources: Sequence[str | os.PathLike] = ()) -> None:
+    """Where an average may go: never one of the checkpoints averaged (`template`, `sources`); an existing `save_to`
+    only when it is an earlier average (it holds averaged_from.json) and holds nothing that the new average would not
+    write again (a file the user put there, an evaluation of the earlier weights).
+
+    Raises:
+        CheckError: naming the folder and the files in the way.
+    """
+    save_to, template = Path(save_to), Path(template)
+    resolved = save_to.resolve()
+    for folder in [template, *map(Path, sources)]:
+        if folder.resolve() == resolved:
+            raise CheckError(f"save_to={save_to} is one of the checkpoints being averaged; choose a new folder.")
+    if not save_to.exists():
+        return
+    if not save_to.is_dir():
+        raise CheckError(f"{save_to} is a file, not a folder; choose a folder name for the averaged model.")
+    present = sorted(p.name for p in save_to.iterdir())
+    if not present:
+        return
+    if "averaged_from.json" not in present:
+        raise CheckError(f"{save_to} exists and is not an earlier averaged model (no averaged_from.json; it holds "
+                         f"{', '.join(present[:5])}{', ...' if len(present) > 5 else ''}): averaging into it would "
+                         f"replace what it holds. Choose a new folder.")
+    written = {p.name for p in _model_files(template)} | {WEIGHTS_NAME, "averaged_from.json"}
+    others = [name for name in present if name not in written]
+    if others:
+        raise CheckError(f"{save_to} is an earlier average but also holds {', '.join(others)}, which the new average "
+                         f"would not keep (and which describe the earlier weights). Move them out, or choose a new "
+                         f"folder.")
+
+
+def _write_model_folder(folder: Path, tensors: dict[str, torch.Tensor], template: Path, provenance: dict) -> None:
+    """Model files of `template`, then the weights, then averaged_from.json, each written atomically into `folder`."""
+    from safetensors.torch import save_file
+
+    for path in _model_files(template):
+        _atomic_copy(path, folder / path.name)
+    _atomic_write(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    text = json.dumps(provenance, indent=2) + "\n"
+    _atomic_write(folder / "averaged_from.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
 def save_averaged_model(state_dict: dict[str, torch.Tensor], template: str | os.PathLike,
-                        save_to: str | os.PathLike, sources: Sequence[str | os.PathLike] = ()) -> Path:
+                        save_to: str | os.PathLike, sources: Sequence[str | os.PathLike] = (), *,
+                        in_place: bool = False) -> Path:
     """Write ``state_dict`` as a model folder ``save_to``, with the non-weight files (config, generation config,
-    tokenizer, model code) of the checkpoint folder ``template``.
+    tokenizer, model code) of the checkpoint folder ``template`` and ``averaged_from.json`` naming ``sources``.
+
+    By default the folder is written whole under a temporary name beside ``save_to`` and renamed into place; an
+    existing ``save_to`` must be an earlier average and is replaced only once the new one is complete.
+    ``in_place=True`` writes into ``save_to`` file by file instead (a training run's own ``output_dir``, which holds
+    the run's checkpoints): an earlier ``averaged_from.json`` is removed first and the new one written last, so that
+    it never names checkpoints other than those of the weights beside it.
 
     Returns:
         the folder written.
     Raises:
-        ValueError: ``save_to`` is ``template`` or one of ``sources``, or holds sharded weights that the new
-            ``model.safetensors`` would not replace.
+        CheckError (a ValueError): ``save_to`` is ``template`` or one of ``sources``; an existing ``save_to`` that is
+            not an earlier average or holds other files (default mode); ``save_to`` holds sharded weights that the
+            new ``model.safetensors`` would not replace (``in_place``).
     """
-    from safetensors.torch import save_file
-
     template, save_to = Path(template), Path(save_to)
-    resolved = save_to.resolve()
-    for folder in [template, *map(Path, sources)]:
-        if folder.resolve() == resolved:
-            raise ValueError(f"save_to={save_to} is one of the checkpoints being averaged; choose a new folder.")
-    save_to.mkdir(parents=True, exist_ok=True)
-    if (save_to / WEIGHTS_INDEX_NAME).exists():
-        raise ValueError(f"{save_to} already holds sharded weights ({WEIGHTS_INDEX_NAME}), which would shadow the "
-                         "averaged model.safetensors; remove them or choose another folder.")
-    for path in sorted(template.iterdir()):
-        if path.is_file() and not _NOT_COPIED.match(path.name):
-            _atomic_copy(path, save_to / path.name)
+    if in_place:
+        for folder in [template, *map(Path, sources)]:
+            if folder.resolve() == save_to.resolve():
+                raise CheckError(f"save_to={save_to} is one of the checkpoints being averaged; choose a new folder.")
     tensors = {name: tensor.contiguous() for name, tensor in state_dict.items()}
-    _atomic_write(save_to / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     provenance = {"averaged_checkpoints": [str(Path(p)) for p in sources] or [str(template)],
                   "method": "parameter-wise mean (Vaswani et al. 2017, §6.1)"}
-    text = json.dumps(provenance, indent=2) + "\n"
-    _atomic_write(save_to / "averaged_from.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    if in_place:
+        save_to.mkdir(parents=True, exist_ok=True)
+        if (save_to / WEIGHTS_INDEX_NAME).exists():
+            raise CheckError(f"{save_to} already holds sharded weights ({WEIGHTS_INDEX_NAME}), which would shadow the "
+                             "averaged model.safetensors; remove them or choose another folder.")
+        (save_to / "averaged_from.json").unlink(missing_ok=True)
+        _write_model_folder(save_to, tensors, template, provenance)
+        return save_to
+    check_average_output(save_to, template, sources)
+    save_to.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=save_to.parent, prefix=f".{save_to.name}.tmp-"))
+    try:
+        _write_model_folder(tmp, tensors, template, provenance)
+        follow_umask(tmp)
+        if save_to.exists():
+            old = Path(tempfile.mkdtemp(dir=save_to.parent, prefix=f".{save_to.name}.old-"))
+            os.replace(save_to, old / save_to.name)
+            os.replace(tmp, save_to)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, save_to)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return save_to
 
 
@@ -212,7 +302,8 @@ def average_last_checkpoints(output_dir: str | os.PathLike, n: int, save_to: str
         the checkpoint folders averaged, oldest first.
     Raises:
         ValueError: ``n < 1``; fewer than ``n`` checkpoints (keep them with ``save_total_limit >= n``); checkpoints of
-            different configs.
+            different configs; a damaged or non-finite checkpoint; a ``save_to`` that is not a new folder or an earlier
+            average (see :func:`save_averaged_model`).
         FileNotFoundError: ``output_dir`` missing, or a checkpoint without config.json / safetensors weights.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -224,6 +315,7 @@ def average_last_checkpoints(output_dir: str | os.PathLike, n: int, save_to: str
                          f"({names}). Train longer, save more often (save_steps), or keep more checkpoints "
                          f"(save_total_limit >= {n}).")
     chosen = checkpoints[-n:]
+    check_average_output(save_to, chosen[-1], chosen)  # before the weights are read
     state = average_checkpoints(chosen)
     save_averaged_model(state, chosen[-1], save_to, sources=chosen)
     return chosen

@@ -4,18 +4,26 @@ self-consistent) and `CheckError`, the one error type of bad input in the librar
 
 `CheckError` is a `ValueError`, as transformers raises for bad input; its message names the path or flag at fault,
 what is wrong and what to do. `vaswani_hf.data.DataError` is the same class under the name data code reads best with.
+
+It also holds what the commands need to keep outputs honest: `follow_umask` (files made through `tempfile` or by
+safetensors are 0600, folders 0700; the commands' outputs get the modes `open()` and `mkdir()` give under the user's
+umask, as transformers' own JSON files do), `nonfinite_weights` and `weights_fingerprint` (which weights a
+`metrics.json` describes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 __all__ = ["CheckError", "RunLock", "check_model_folder", "check_output_dir", "check_output_file",
-           "check_output_not_in_inputs", "check_tokenizer_matches", "read_json", "safetensors_problem",
+           "check_output_not_in_inputs", "check_tokenizer_matches", "current_umask", "follow_umask",
+           "nonfinite_weights", "read_json", "safetensors_problem", "weight_files", "weights_fingerprint",
            "weights_problems"]
 
 LOCK_NAME = ".vaswani.lock"
@@ -23,6 +31,49 @@ LOCK_NAME = ".vaswani.lock"
 
 class CheckError(ValueError):
     """An input or output a command cannot use; the message names the path, what is wrong, and what to do."""
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process's umask: from /proc/self/status where Linux gives it, else set and restored at once (under a lock,
+    since `os.umask` has no read-only form)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str | os.PathLike, *, recursive: bool = True) -> None:
+    """Give `path` the mode that `open()` (0666) or `mkdir()` (0777) would have given it under the user's umask; for a
+    folder also every file and folder in it (`recursive`), or only the files directly in it.
+
+    For what a command has just written through `tempfile` (0600 files, 0700 folders) or safetensors (0600), so that
+    its outputs are shared as the user's other files are. Links are left alone.
+    """
+    path = Path(path)
+    mask = current_umask()
+    if path.is_symlink():
+        return
+    if path.is_dir():
+        os.chmod(path, 0o777 & ~mask)
+        for child in path.iterdir():
+            if child.is_symlink():
+                continue
+            if child.is_dir():
+                if recursive:
+                    follow_umask(child)
+            else:
+                os.chmod(child, 0o666 & ~mask)
+    elif path.exists():
+        os.chmod(path, 0o666 & ~mask)
 
 
 def read_json(path: str | os.PathLike, *, what: str = "") -> Any:
@@ -139,7 +190,7 @@ class RunLock:
         self._handle = None
         self._created = False
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         try:
             import fcntl
         except ImportError:  # pragma: no cover - not on Linux/macOS
@@ -171,7 +222,7 @@ class RunLock:
             self._handle.close()  # closing the file releases the flock
             self._handle = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
@@ -201,6 +252,51 @@ def safetensors_problem(path: str | os.PathLike) -> str | None:
     except OSError as error:
         return f"{path.name} cannot be read ({error.strerror or error})"
     return None
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model folder: `model.safetensors`, or the shards its index lists (sorted); empty
+    when there are neither (or the index is unreadable)."""
+    folder = Path(folder)
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return [folder / shard for shard in sorted(set(read_json(index)["weight_map"].values()))]
+        except (CheckError, KeyError, TypeError, AttributeError):
+            return []
+    return []
+
+
+def nonfinite_weights(folder: str | os.PathLike) -> list[str]:
+    """Names of the floating-point tensors of a model folder's safetensors weights that hold NaN or infinite values
+    (a run that diverged saves them; nothing in loading refuses them). Reads every tensor, one at a time."""
+    import torch
+    from safetensors import safe_open
+
+    bad = []
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="pt") as weights:
+            for name in weights.keys():
+                tensor = weights.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    bad.append(name)
+    return bad
+
+
+def weights_fingerprint(folder: str | os.PathLike) -> str | None:
+    """"sha256:<hex>" of a model folder's safetensors weights (every file, in order), or None without weights: what a
+    run's `metrics.json` records of the weights it scored, so that an export never pairs them with other weights."""
+    files = weight_files(folder)
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
 
 
 def weights_problems(folder: Path) -> list[str]:
