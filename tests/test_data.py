@@ -124,7 +124,7 @@ def test_empty_file(tmp_path):
 
 
 def test_non_utf8_names_file_and_line(tmp_path):
-    write(tmp_path / "p.de", "eins\nzwei\n".encode() + "drei Bäume\n".encode("latin-1"))
+    write(tmp_path / "p.de", b"eins\nzwei\n" + "drei Bäume\n".encode("latin-1"))
     write(tmp_path / "p.en", "one\ntwo\nthree\n")
     with pytest.raises(DataError) as e:
         read_parallel_text(tmp_path / "p", "de", "en")
@@ -185,7 +185,8 @@ def test_cr_only_line_ends_are_lines(tmp_path):
 
 
 def test_jsonl_and_mixed_splits(tmp_path):
-    write(tmp_path / "t.jsonl", '{"translation": {"de": "a", "en": "A", "fr": "x"}}\n\n{"translation": {"de": "b", "en": "B"}}\n')
+    write(tmp_path / "t.jsonl",
+          '{"translation": {"de": "a", "en": "A", "fr": "x"}}\n\n{"translation": {"de": "b", "en": "B"}}\n')
     write(tmp_path / "v.de", "c\n")
     write(tmp_path / "v.en", "C\n")
     dsd = load_parallel_dataset({"train": tmp_path / "t.jsonl", "validation": tmp_path / "v"}, "de", "en")
@@ -194,7 +195,8 @@ def test_jsonl_and_mixed_splits(tmp_path):
 
 
 def test_jsonl_errors(tmp_path):
-    p = write(tmp_path / "t.jsonl.gz", '{"translation": {"de": "a", "en": "A"}}\n{"translation": {"de": "b", "cs": "B"}}\n', gz=True)
+    p = write(tmp_path / "t.jsonl.gz",
+              '{"translation": {"de": "a", "en": "A"}}\n{"translation": {"de": "b", "cs": "B"}}\n', gz=True)
     with pytest.raises(DataError, match=r"t\.jsonl\.gz:2: language 'en' .* codes present: cs, de"):
         read_parallel_jsonl(p, "de", "en")
     p = write(tmp_path / "bad.jsonl", '{"translation": {"de": "a", "en": "A"}}\n{"translation": \n')
@@ -203,7 +205,8 @@ def test_jsonl_errors(tmp_path):
     p = write(tmp_path / "nt.jsonl", '{"de": "a", "en": "A"}\n')
     with pytest.raises(DataError, match=r"nt\.jsonl:1: expected an object with a 'translation'"):
         read_parallel_jsonl(p, "de", "en")
-    p = write(tmp_path / "e.jsonl", '{"translation": {"de": "a", "en": "A"}}\n\n{"translation": {"de": "", "en": "B"}}\n')
+    p = write(tmp_path / "e.jsonl",
+              '{"translation": {"de": "a", "en": "A"}}\n\n{"translation": {"de": "", "en": "B"}}\n')
     with pytest.raises(DataError, match=r"e\.jsonl:3 \(translation\['de'\]\): empty sentence"):
         read_parallel_jsonl(p, "de", "en", empty_lines="error")
     assert read_parallel_jsonl(p, "de", "en").skipped == 1
@@ -398,7 +401,8 @@ def test_padding_fraction_by_hand():
 
 def test_hub_path_with_packaged_json_builder(tmp_path):
     """The `hub_dataset` branch, exercised offline through datasets' packaged "json" builder."""
-    p = write(tmp_path / "d.jsonl", '{"translation": {"de": "a", "en": "A"}}\n{"translation": {"de": " ", "en": "B"}}\n')
+    p = write(tmp_path / "d.jsonl",
+              '{"translation": {"de": "a", "en": "A"}}\n{"translation": {"de": " ", "en": "B"}}\n')
     dsd = load_parallel_dataset(hub_dataset="json", hub_kwargs={"data_files": {"train": str(p)},
                                                                 "cache_dir": str(tmp_path / "cache")})
     assert len(dsd["train"]) == 1 and dsd["train"][0]["translation"] == {"de": "a", "en": "A"}
