@@ -90,7 +90,7 @@ def card_data_for(metrics: dict[str, Any], *, model_name: str, source_lang: str,
     license = license or ("other" if terms else "unknown")
     # The Hub's `datasets` field holds dataset ids: Multi30k's or a Hub dataset's, never a local file's name.
     kind = (metrics.get("data") or {}).get("kind")
-    hub_dataset = dataset if (multi30k or kind == "hub" or (kind is None and dataset)) else None
+    hub_dataset = dataset if (multi30k or kind == "hub") else None
     pair = f"{source_lang}-{target_lang}"
     results = []
     scores = [("test_bleu", "test_bleu_signature", "SacreBLEU (detokenized)"),
