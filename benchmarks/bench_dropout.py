@@ -26,6 +26,7 @@ for path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import benchmark  # noqa: E402
+
 from vaswani_hf import modeling_vaswani  # noqa: E402
 
 SHIPPED = {"apply_dropout": modeling_vaswani.apply_dropout, "residual_dropout": modeling_vaswani.residual_dropout}
@@ -72,8 +73,10 @@ def main(argv=None) -> dict:
     medians = {name: statistics.median(values) for name, values in times.items()}
     paired = statistics.median(t / c for t, c in zip(times["torch"], times["cpu"], strict=True))
     print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
-          f"d_model {args.d_model}, {args.layers}+{args.layers} layers, batch {tuple(batch['labels'].shape)}")
-    print(f"step, F.dropout + add (torch): {medians['torch']:.3f} s   CPUDropout/CPUDropoutAdd: {medians['cpu']:.3f} s   "
+          f"d_model {args.d_model}, {args.layers}+{args.layers} layers, "
+          f"batch {tuple(batch['labels'].shape)}")
+    print(f"step, F.dropout + add (torch): {medians['torch']:.3f} s   "
+          f"CPUDropout/CPUDropoutAdd: {medians['cpu']:.3f} s   "
           f"torch/cpu {medians['torch'] / medians['cpu']:.3f} (paired {paired:.3f})")
     return {"seconds": times, "ratio": medians["torch"] / medians["cpu"], "ratio_paired": paired}
 

@@ -13,10 +13,11 @@ Measured:
 
 * training: tokens/s of a whole step (forward, backward, fused Adam step, zero_grad) in train mode with dropout. The
   loss is the same on both: by default plain cross-entropy (`--label-smoothing 0`), which is what Marian's forward
-  computes from `labels` and what ours computes by default; ours gets `label_smoothing=`; with `--label-smoothing 0.1` Marian is
-  called without labels and its loss is the same `F.cross_entropy(..., label_smoothing=0.1)` computed on its
-  logits, summed and divided by the number of labelled tokens, as ours does internally. Tokens are the labelled
-  (non-padding) target tokens of the batch, as fairseq's `wps` counts them.
+  computes from `labels` and what ours computes by default; ours gets `label_smoothing=`; with
+  `--label-smoothing 0.1` Marian is called without labels and its loss is the same
+  `F.cross_entropy(..., label_smoothing=0.1)` computed on its logits, summed and divided by the number of labelled
+  tokens, as ours does internally. Tokens are the labelled (non-padding) target tokens of the batch, as fairseq's
+  `wps` counts them.
 * peak training memory: CPU: in a fresh Python process per model and batch size, the model and its Adam optimizer
   are built, then the peak resident set size (VmHWM) is reset to the current RSS by writing 5 to
   /proc/self/clear_refs (Linux >= 4.0), two training steps run (the first creates Adam's state), and the peak is
@@ -81,7 +82,7 @@ from transformers import GenerationConfig, MarianConfig, MarianMTModel  # noqa: 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from vaswani_hf.configuration_vaswani import VaswaniConfig  # noqa: E402
-from vaswani_hf.kernels_vaswani import has_onednn_linear, cpu_training_matmul  # noqa: E402
+from vaswani_hf.kernels_vaswani import cpu_training_matmul, has_onednn_linear  # noqa: E402
 from vaswani_hf.modeling_vaswani import VaswaniForConditionalGeneration  # noqa: E402
 
 hf_logging.set_verbosity_error()
@@ -266,9 +267,9 @@ def bench_training(models, args) -> dict:
         return lambda: losses.__setitem__(name, training_step(name, callables[name], optimizers[name], batch, args))
 
     times = interleaved({name: step(name) for name in models}, args.train_reps, 1, args)
-    for optimizer in optimizers.values():
+    for optimizer in optimizers.values():  # free Adam's moments before the next section measures memory
         optimizer.state.clear()
-    del optimizers
+    optimizers.clear()
     gc.collect()
     result = summarize(times, tokens, "tokens_per_s")
     for name in models:
@@ -644,7 +645,8 @@ def plot(results: dict, path: str) -> None:
     right.legend()
     settings = results["settings"]
     fig.suptitle(f"d_model {settings['d_model']}, {settings['layers']}+{settings['layers']} layers, "
-                 f"vocab {settings['vocab_size']}, {results['device']}, {results['threads']} threads, {settings['dtype']}")
+                 f"vocab {settings['vocab_size']}, {results['device']}, {results['threads']} threads, "
+                 f"{settings['dtype']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -84,7 +84,7 @@ def make_tiny_model(seed: int = 0, **overrides) -> VaswaniForConditionalGenerati
 
 
 def padded_batch(seed: int = 0, batch: int = 3, length: int = 9, vocab: int = 99):
-    """Source ids `(batch, length)` ending in </s> (id 2), row i right-padded (id 0) by 2 * i positions, and the mask."""
+    """Source ids `(batch, length)` ending in </s> (id 2), row i right-padded (id 0) by 2 * i positions; the mask."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, vocab, (batch, length), generator=generator)
     mask = torch.ones(batch, length, dtype=torch.long)

@@ -20,10 +20,10 @@ except ImportError as error:  # an optional dependency of the package, but a req
     raise ImportError("tests/test_export_ct2.py needs ctranslate2: pip install ctranslate2 (it is in the dev "
                       "extras: pip install -e '.[dev]').") from error
 
-from vaswani_training.export_ct2 import main as export_main
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.export_ct2 import build_ct2_spec, ct2_translate, export_ct2
 from vaswani_hf.modeling_vaswani import sinusoidal_table
+from vaswani_training.export_ct2 import main as export_main
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, VOCAB)]
 

@@ -44,7 +44,8 @@ weight, x, grad = torch.randn(2048, 256), torch.randn(600, 256), torch.randn(600
 _onednn_linear(x, weight), _onednn_linear(grad, weight.t()), _onednn_linear(grad.t(), x.t())
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 for rows in range(450, 600):  # a linear's forward, input- and weight-gradient products at 150 row counts
-    _onednn_linear(x[:rows], weight), _onednn_linear(grad[:rows], weight.t()), _onednn_linear(grad[:rows].t(), x[:rows].t())
+    _onednn_linear(x[:rows], weight), _onednn_linear(grad[:rows], weight.t())
+    _onednn_linear(grad[:rows].t(), x[:rows].t())
 print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
 SETTINGS_ENV = (*MALLOC_ENV, "VASWANI_KEEP_FREED_MEMORY", *ONEDNN_CACHE_ENV)

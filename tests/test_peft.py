@@ -9,7 +9,6 @@
 
 import pytest
 import torch
-
 from conftest import make_tiny_model, padded_batch
 
 peft = pytest.importorskip("peft", reason="needs PEFT: pip install peft")

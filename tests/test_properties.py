@@ -1,5 +1,5 @@
-"""Property-based tests (hypothesis): the joint BPE round-trips arbitrary Unicode, and the model's outputs have the right
-shape, are finite, and do not depend on padding, for arbitrary batch sizes, lengths and padding patterns.
+"""Property-based tests (hypothesis): the joint BPE round-trips arbitrary Unicode, and the model's outputs have the
+right shape, are finite, and do not depend on padding, for arbitrary batch sizes, lengths and padding patterns.
 
 The tokenizer is learned once per module from the first 300 German and 300 English training sentences of the shipped
 Multi30k, so most arbitrary characters are unseen and go through byte fallback.

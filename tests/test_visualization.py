@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from vaswani_training.plot import learning_curve_data, main as plot_main, plot_learning_curve
 from vaswani_hf.decoding import paper_generate
 from vaswani_hf.visualization import attention_maps, attention_weights, plot_all_attention, plot_attention
+from vaswani_training.plot import learning_curve_data, plot_learning_curve
+from vaswani_training.plot import main as plot_main
 
 SOURCE = "Zwei Hunde spielen im Schnee."
 TARGET = "Two dogs are playing in the snow."
