@@ -6,7 +6,11 @@
   step (forward, loss, backward) equals eager;
 - the checks the traced path no longer makes still run in eager mode (`check_input_ids`, the position table);
 - transformers' own ExecuTorch wrapper (`Seq2SeqLMExportableModule`) exports the encoder and the decoder with a static
-  cache, and its greedy loop gives `generate()`'s greedy tokens.
+  cache, and its greedy loop gives `generate()`'s greedy tokens;
+- a decoder step with its KV cache (`vaswani_hf.export_generation`), exported with `torch.export` and to ONNX through
+  dynamo (run by onnxruntime): greedy and beam-4 loops over the exported graphs give `generate()`'s tokens on a trained
+  copy model where beam search and greedy search disagree; a step that forgets its cache or a beam loop that does not
+  reorder it are shown to miss.
 """
 
 import copy
@@ -159,3 +163,132 @@ def test_transformers_seq2seq_exportable_module_exports_and_its_greedy_loop_matc
         outputs.append(tuple(exported))
     # sentences, not one token repeated: different per source, ended by </s> where the model learned to copy
     assert len(set(outputs)) == len(outputs) and sum(output[-1] == EOS for output in outputs) >= 2
+
+
+# Generation on exported graphs: encoder + decoder step with its KV cache ----------------------------------------------
+
+MAX_LENGTH = 20
+
+
+@pytest.fixture(scope="module")
+def copy_generation():
+    """A copy model trained 200 steps (good enough to copy most sentences, unsure enough that beam 4 and greedy
+    disagree on some), 48 sources of 2-12 words, and `generate()`'s greedy and beam-4 (length penalty 0.6) tokens."""
+    from _copy_task import BOS, EOS, PAD, sources, trained_copy_model
+
+    model = trained_copy_model(steps=200)
+    ids, mask = sources(seed=5, batch=48, max_len=12)
+    assert mask.eq(0).any(), "padded rows: the source mask matters"
+    with torch.no_grad():
+        greedy = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, do_sample=False,
+                                max_length=MAX_LENGTH)
+        beam = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, length_penalty=0.6,
+                              max_length=MAX_LENGTH)
+    tokens = dict(max_length=MAX_LENGTH, decoder_start_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    return model, ids, mask, greedy, beam, tokens
+
+
+def _sentences(sequences: torch.Tensor) -> list[list[int]]:
+    return [[t for t in row if t != 0] for row in sequences.tolist()]
+
+
+def test_beam_differs_from_greedy_on_the_export_inputs(copy_generation):
+    model, ids, mask, greedy, beam, _ = copy_generation
+    differing = sum(g != b for g, b in zip(_sentences(greedy), _sentences(beam), strict=True))
+    assert differing >= 4, f"beam 4 and greedy disagree on {differing} of {len(ids)} sources"  # 12 of 48 here
+    assert sum(row[-1] == 2 for row in _sentences(beam)) >= 40, "sentences ended by </s>, not noise"
+
+
+def test_exported_step_logits_equal_the_full_forward(copy_generation):
+    from vaswani_hf.export_generation import torch_export_generation
+
+    model, ids, mask, greedy, _, _ = copy_generation
+    encoder, step = (program.module() for program in torch_export_generation(model))
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, decoder_input_ids=greedy).logits  # (B, T, V)
+        cross = encoder(ids, mask)
+        cache = cross.new_zeros(*cross.shape[:4], 0, cross.shape[-1])
+        steps, shifted = [], []
+        for position in range(greedy.shape[1]):
+            logits, cache = step(greedy[:, position: position + 1], cache, cross, mask)
+            steps.append(logits)
+            # control: the same step with its cache one position short (the previous token forgotten)
+            shifted.append(step(greedy[:, position: position + 1], cache[..., :-2, :], cross, mask)[0]
+                           if position >= 2 else logits)
+    torch.testing.assert_close(torch.stack(steps, 1), expected, atol=1e-4, rtol=0)
+    # fp32 rounding of logits up to ~3 leaves 1.3e-5; the control misses the 1e-4 tolerance by five orders (11 here)
+    assert (torch.stack(shifted, 1) - expected).abs().max() > 1.0
+
+
+def test_torch_export_greedy_and_beam_loops_give_generates_tokens(copy_generation):
+    from vaswani_hf.export_generation import beam_search, greedy_search, torch_export_generation
+
+    model, ids, mask, greedy, beam, tokens = copy_generation
+    encoder, step = (program.module() for program in torch_export_generation(model))
+    assert torch.equal(greedy_search(encoder, step, ids, mask, **tokens), greedy)
+    assert torch.equal(beam_search(encoder, step, ids, mask, num_beams=4, length_penalty=0.6, **tokens), beam)
+    # one sentence without padding: batch 1 and a mask of ones stay dynamic in the graph
+    length = int(mask[0].sum())
+    with torch.no_grad():
+        alone = model.generate(input_ids=ids[:1, :length], num_beams=4, max_length=MAX_LENGTH)
+    assert torch.equal(beam_search(encoder, step, ids[:1, :length], mask[:1, :length], **tokens), alone)
+
+
+def test_onnx_exported_greedy_and_beam_loops_give_generates_tokens(copy_generation, tmp_path):
+    pytest.importorskip("onnxscript", reason="ONNX export needs onnxscript: pip install 'vaswani-hf[onnx]'")
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'vaswani-hf[onnx]'")
+    from vaswani_hf.export_generation import (
+        beam_search,
+        greedy_search,
+        onnx_export_generation,
+        onnx_generation_functions,
+    )
+
+    model, ids, mask, greedy, beam, tokens = copy_generation
+    paths = onnx_export_generation(model, tmp_path)
+    assert [p.name for p in paths] == ["encoder.onnx", "decoder_step.onnx"]
+    encode, step = onnx_generation_functions(*paths)
+    assert torch.equal(greedy_search(encode, step, ids, mask, **tokens), greedy)
+    assert torch.equal(beam_search(encode, step, ids, mask, num_beams=4, length_penalty=0.6, **tokens), beam)
+
+
+def test_broken_caches_miss_generates_tokens(copy_generation):
+    # Controls for the two tests above, on the unexported modules: what a wrong cache does to the tokens.
+    from vaswani_hf.export_generation import (
+        VaswaniExportableDecoderStep,
+        VaswaniExportableEncoder,
+        beam_search,
+        greedy_search,
+    )
+
+    model, ids, mask, greedy, beam, tokens = copy_generation
+    encoder, step = VaswaniExportableEncoder(model), VaswaniExportableDecoderStep(model)
+    assert torch.equal(beam_search(encoder, step, ids, mask, **tokens), beam)
+
+    def forgetful(decoder_input_ids, self_key_values, cross_key_values, attention_mask):
+        return step(decoder_input_ids, self_key_values[..., :0, :], cross_key_values, attention_mask)
+
+    kept = {}
+
+    def unreordered(decoder_input_ids, self_key_values, cross_key_values, attention_mask):
+        # the cache as the previous step left it, not as beam search reordered it for the surviving hypotheses
+        logits, kept["cache"] = step(decoder_input_ids, kept.get("cache", self_key_values), cross_key_values,
+                                     attention_mask)
+        return logits, kept["cache"]
+
+    wrong = sum(a != b for a, b in zip(_sentences(greedy_search(encoder, forgetful, ids, mask, **tokens)),
+                                       _sentences(greedy), strict=True))
+    assert wrong >= 24, f"a step without its cache still gave generate()'s greedy tokens on {48 - wrong} of 48"
+    wrong = sum(a != b for a, b in zip(_sentences(beam_search(encoder, unreordered, ids, mask, **tokens)),
+                                       _sentences(beam), strict=True))
+    assert wrong >= 4, f"beam search without the cache reorder still gave generate()'s tokens on {48 - wrong} of 48"
+
+
+def test_exporting_generation_refuses_a_model_in_training_mode():
+    from vaswani_hf.export_generation import VaswaniExportableDecoderStep, torch_export_generation
+
+    model = make_tiny_model(seed=1).train()
+    with pytest.raises(ValueError, match=r"eval mode \(model.eval\(\)\): in training mode dropout"):
+        torch_export_generation(model)
+    with pytest.raises(ValueError, match="eval mode"):
+        VaswaniExportableDecoderStep(model)
