@@ -4,9 +4,11 @@ A training step on a CPU runs the position-wise layers on the real tokens only: 
 mask keeps, each target row's positions up to its last label, and the output projection and loss the labelled
 positions. With dropout off, the loss, every gradient and the logits at labelled positions are those of the padded
 layout (`RealTokens.enabled = False`) to float rounding, in post-LN and pre-LN, with left- and right-padded sources and
-gaps in the labels, under gradient checkpointing and under bf16 autocast. Batches where it would change a result (a
-source row that is all padding) or gain nothing (no padding), and calls that need every position (eval, attention
-probabilities, hidden states), keep the padded layout.
+gaps in the labels, under gradient checkpointing and under bf16 autocast (on a model trained on the copy task, whose
+loss depends on where each token is). Packing with a bug (a row misplaced, a token dropped) is shown to miss each
+tolerance by orders of magnitude. Batches where it would change a result (a source row that is all padding) or gain
+nothing (no padding), and calls that need every position (eval, attention probabilities, hidden states), keep the
+padded layout.
 """
 
 import pytest
@@ -14,6 +16,8 @@ import torch
 from conftest import make_tiny_model
 
 from vaswani_hf.kernels_vaswani import RealTokens
+
+ORIGINAL_INIT = RealTokens.__init__
 
 
 def batch(seed: int = 0):
@@ -32,9 +36,45 @@ def batch(seed: int = 0):
     return ids, mask, labels
 
 
-def step(model, ids, mask, labels, packed: bool, monkeypatch, **kwargs):
-    """One forward/backward in training mode; returns loss, logits, encoder output and the gradients."""
+def copy_task_batch():
+    """`batch()`'s layout on the copy task (vocabulary 24), for a model trained on it: four sources of 9 positions,
+    row 1 right-padded by 4, row 2 left-padded by 2; labels the source's words and </s>, with a -100 inside row 3."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.zeros(4, 9, dtype=torch.long)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for row, length in enumerate((9, 5, 7, 9)):
+        sentence = torch.cat([torch.randint(4, 24, (length - 1,), generator=generator), torch.tensor([2])])
+        start = 2 if row == 2 else 0
+        ids[row, start: start + length], mask[row, start: start + length] = sentence, 1
+        labels[row, :length] = sentence
+    labels[3, 2] = -100
+    return ids, mask, labels
+
+
+def broken_packing(monkeypatch, mask, bug: str) -> None:
+    """Controls: packing of the source's real tokens with a bug. "misplaced": right-padded row 1 read as left-padded
+    (its first four tokens left out, four padding positions taken in); "dropped": row 0's first token left out."""
+    original = RealTokens.__init__
+
+    def init(self, keep):
+        if torch.equal(keep.bool(), mask.bool()):
+            keep = keep.bool().clone()
+            if bug == "misplaced":
+                keep[1] = keep[1].flip(0)
+            else:
+                keep[0, 0] = False
+        original(self, keep)
+
+    monkeypatch.setattr(RealTokens, "__init__", init)
+
+
+def step(model, ids, mask, labels, packed: bool, monkeypatch, bug: str | None = None, **kwargs):
+    """One forward/backward in training mode (packing with `bug`, see `broken_packing`); returns loss, logits,
+    encoder output and the gradients."""
     monkeypatch.setattr(RealTokens, "enabled", packed)
+    monkeypatch.setattr(RealTokens, "__init__", ORIGINAL_INIT)
+    if bug is not None:
+        broken_packing(monkeypatch, mask, bug)
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1, **kwargs)
     out.loss.backward()
@@ -69,6 +109,15 @@ def test_packed_step_equals_the_padded_step(normalize_before, monkeypatch):
     assert packed_grads.keys() == padded_grads.keys() and len(packed_grads) > 20
     for name, grad in padded_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # Controls: packing that misplaces or drops a source token misses each tolerance above by orders of magnitude
+    # (post-LN here: loss 4e-2 and 6e-3 against 1e-6, labelled logits 1.9 and 0.6 and encoder outputs 2.8 and 2.4
+    # against 1e-5, some gradient 9e-2 and 5e-2 against 1e-6 + 1e-4 |g|).
+    for bug in ("misplaced", "dropped"):
+        broken, broken_grads = step(model, ids, mask, labels, True, monkeypatch, bug=bug, skip_logits=False)
+        assert abs(float((broken.loss - padded.loss).detach())) > 1e-3, bug
+        assert (broken.logits[labelled] - padded.logits[labelled]).abs().max() > 0.1, bug
+        assert (broken.encoder_last_hidden_state[real] - padded.encoder_last_hidden_state[real]).abs().max() > 0.5
+        assert max((broken_grads[name] - grad).abs().max() for name, grad in padded_grads.items()) > 1e-2, bug
 
 
 def test_the_packed_step_really_runs_on_fewer_rows(monkeypatch):
@@ -98,11 +147,29 @@ def test_packed_step_under_gradient_checkpointing_and_bf16(monkeypatch):
     out, grads = step(model, ids, mask, labels, True, monkeypatch)
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # control: a misplaced source row moves some gradient by 1e-1, four orders above the tolerance
+    _, broken = step(model, ids, mask, labels, True, monkeypatch, bug="misplaced")
+    assert max((broken[name] - grad).abs().max() for name, grad in reference.items()) > 1e-2
     (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
+def test_packed_step_in_bf16_on_a_trained_model(monkeypatch):
+    # A copy model, whose loss depends on where each source token is (an untrained model's loss is about ln V
+    # whatever the packing does), under bf16 autocast.
+    from _copy_task import trained_copy_model
+
+    model = trained_copy_model(steps=200).train()
+    ids, mask, labels = copy_task_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16_packed, _ = step(model, ids, mask, labels, True, monkeypatch)
-        bf16_padded, _ = step(model, ids, mask, labels, False, monkeypatch)
-    torch.testing.assert_close(bf16_packed.loss, bf16_padded.loss, rtol=2e-2, atol=2e-2)
+        packed, _ = step(model, ids, mask, labels, True, monkeypatch)
+        padded, _ = step(model, ids, mask, labels, False, monkeypatch)
+        broken = {bug: step(model, ids, mask, labels, True, monkeypatch, bug=bug)[0].loss
+                  for bug in ("misplaced", "dropped")}
+    assert packed.loss.dtype == torch.float32 and 0.5 < padded.loss.item() < 3.5  # ln 24 = 3.18 untrained: 2.1 here
+    torch.testing.assert_close(packed.loss, padded.loss, rtol=2e-2, atol=2e-2)  # bf16's resolution; 2e-7 here
+    # controls: a misplaced row moves the loss by 0.6, a dropped token by 0.2: 30 and 10 times the tolerance
+    for bug, loss in broken.items():
+        assert abs(float((loss - padded.loss).detach())) > 0.1, bug
 
 
 def test_dropout_still_trains_and_differs_between_steps(monkeypatch):

@@ -9,7 +9,12 @@
   selections, and `generate()` uses it unless given another cache;
 - fp32 CPU training linears in oneDNN (where `cpu_training_matmul` finds it much faster than BLAS) give
   `nn.Linear`'s outputs and gradients, only in fp32 training steps.
+
+Each tolerance has a control beside it: the bug it guards against (masks or scaling lost, bf16 rounding inside an fp32
+path, a wrong divisor, correlated dropout draws) computed and shown to miss it by orders of magnitude.
 """
+
+import copy
 
 import pytest
 import torch
@@ -23,13 +28,32 @@ from vaswani_hf.kernels_vaswani import VaswaniLinear
 from vaswani_hf.modeling_vaswani import apply_dropout, residual_dropout
 
 
+def bf16_rounded_linears(model):
+    """Control: a copy of `model` with every linear weight rounded to bf16, what a fast fp32 path that multiplied in
+    bf16 (oneDNN's bf16 fpmath mode, say) would compute."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.bfloat16().float())
+    return rounded
+
+
+def sentences_differing_from_greedy(model, beam: torch.Tensor, returned: int = 1, **common) -> int:
+    """How many sentences' best beam hypothesis differs from greedy search's translation (`common`: the call's
+    inputs and lengths); a beam test on inputs where beam search returns greedy's tokens shows nothing."""
+    greedy = model.generate(num_beams=1, do_sample=False, **common)
+    strip = lambda row: [t for t in row.tolist() if t != 0]  # noqa: E731
+    return sum(strip(b) != strip(g) for b, g in zip(beam[::returned], greedy, strict=True))
+
+
 def test_cpu_dropout_keeps_one_minus_p_and_scales_the_kept_elements():
     torch.manual_seed(0)
     x = torch.rand(1001, 999) + 0.5  # no zeros, odd element count
     for p in (0.1, 0.3):
         out = apply_dropout(x, p, training=True)
         kept = out.ne(0)
-        # 1M Bernoulli(1 - p) draws: standard deviation of the kept fraction < 5e-4
+        # 1M Bernoulli(1 - p) draws: standard deviation of the kept fraction < 5e-4 (a rate off by 0.005 exceeds it)
         assert abs(kept.float().mean().item() - (1 - p)) < 2.5e-3
         torch.testing.assert_close(out[kept], x[kept] / (1 - p), rtol=1e-6, atol=0)
     # independent draws: the four elements one 64-bit draw decides (its 16-bit quarters) are not correlated
@@ -39,6 +63,10 @@ def test_cpu_dropout_keeps_one_minus_p_and_scales_the_kept_elements():
         for j in range(i + 1, 4):
             assert abs((quarters[:, i] * quarters[:, j]).mean().item() - 0.25) < 3e-3
     assert abs(quarters.prod(1).mean().item() - 0.0625) < 2e-3
+    # control: quarters decided by one shared bit would give 0.5 and 0.5, a hundred times the tolerances
+    shared = (torch.rand(quarters.shape[0]) < 0.5).float()[:, None].expand(-1, 4)
+    assert abs((shared[:, 0] * shared[:, 1]).mean().item() - 0.25) > 0.2
+    assert abs(shared.prod(1).mean().item() - 0.0625) > 0.2
 
 
 def test_cpu_dropout_gradient_is_the_mask_times_the_scale():
@@ -106,27 +134,50 @@ def labelled_batch():
 
 
 def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
+    from _copy_task import trained_copy_model
+    from test_real_tokens import copy_task_batch
+
+    from vaswani_hf import modeling_vaswani
+
     calls, half = record_cpu_attention(monkeypatch)
-    ids, mask, labels = labelled_batch()
-    model = make_tiny_model(attn_implementation="sdpa")
+    # a copy model: its loss depends on what attention reads (an untrained model's is about ln V whatever it reads)
+    model = trained_copy_model(steps=100, attn_implementation="sdpa")
+    ids, mask, labels = copy_task_batch()
     with torch.no_grad():
         reference = model(input_ids=ids, attention_mask=mask, labels=labels)
         assert not calls  # fp32: torch's SDPA
         with torch.autocast("cpu", dtype=torch.bfloat16):
             autocast = model(input_ids=ids, attention_mask=mask, labels=labels)
-        bf16 = model.to(torch.bfloat16)(input_ids=ids, attention_mask=mask, labels=labels)  # bf16 weights
+            broken, recording = {}, modeling_vaswani.cpu_attention_forward  # controls: mask, 1 / sqrt(d_k) dropped
+            for bug, change in (("mask", dict(attention_mask=None)), ("scaling", dict(scaling=1.0))):
+                monkeypatch.setattr(modeling_vaswani, "cpu_attention_forward",
+                                    lambda module, query, key, value, attention_mask, change=change, **kwargs:
+                                    half(module, query, key, value, **{"attention_mask": attention_mask, **kwargs,
+                                                                       **change}))
+                broken[bug] = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            monkeypatch.setattr(modeling_vaswani, "cpu_attention_forward", recording)
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)(input_ids=ids, attention_mask=mask, labels=labels)
     assert calls == [torch.bfloat16] * 2 * 6  # 2 encoder + 2x2 decoder attentions, in each bf16 forward
-    assert bf16.logits.dtype == torch.bfloat16
+    assert bf16.logits.dtype == torch.bfloat16 and 0.5 < reference.loss < 3.0  # ln 24 = 3.18 untrained: 1.16 here
     for half_precision in (autocast, bf16):
-        torch.testing.assert_close(half_precision.loss.float(), reference.loss, rtol=0.02, atol=0.02)
+        torch.testing.assert_close(half_precision.loss.float(), reference.loss, rtol=0.02, atol=0.02)  # 6e-4 here
+    # the controls move the loss by 3.3 and 0.8: 100 and 25 times the tolerance
+    for bug, loss in broken.items():
+        assert abs(float(loss) - float(reference.loss)) > 0.3, bug
     # the scores are fp32: the same as an fp32 softmax of the bf16 inputs' scores, not of bf16-rounded scores
-    generator = torch.Generator().manual_seed(5)
-    query, key, value = (torch.randn(2, 2, 5, 8, generator=generator).mul(4).bfloat16() for _ in range(3))
+    generator = torch.Generator().manual_seed(6)
+    query, key, value = (torch.randn(2, 2, 5, 8, generator=generator).mul(8).bfloat16() for _ in range(3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = half(model.model.encoder.layers[0].self_attn, query, key, value, None, scaling=8**-0.5)
     probs = torch.softmax(query.float() @ key.float().transpose(2, 3) * 8**-0.5, dim=-1)
     expected = (probs.bfloat16().float() @ value.float()).transpose(1, 2)
-    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+    # two bf16 steps of the bf16 output (at most 0.4 of the tolerance here); bf16-rounded scores exceed it 21 times
+    tolerance = dict(rtol=8e-3, atol=1e-3)
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+    rounded_scores = torch.softmax((query @ key.transpose(2, 3) * 8**-0.5).float(), dim=-1)
+    control = (rounded_scores.bfloat16().float() @ value.float()).transpose(1, 2)
+    excess = (control - expected).abs() / (tolerance["atol"] + tolerance["rtol"] * expected.abs())
+    assert excess.max() > 5
 
 
 def test_sdpa_in_fp32_training_on_cpu_keeps_torchs_kernel_unless_attention_dropout(monkeypatch):
@@ -148,6 +199,19 @@ def test_sdpa_in_fp32_training_on_cpu_keeps_torchs_kernel_unless_attention_dropo
     torch.testing.assert_close(results["sdpa"][0], results["eager"][0], rtol=1e-6, atol=1e-6)
     for got, expected in zip(results["sdpa"][1], results["eager"][1], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # control: self-attention scaled by 2 / sqrt(d_k) moves the loss by 7e-3 and some gradient by 7e-2, thousands of
+    # times the tolerances
+    model.config._attn_implementation = "eager"
+    for layer in (*model.model.encoder.layers, *model.model.decoder.layers):
+        layer.self_attn.scaling *= 2
+    model.zero_grad()
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    assert abs(float(loss.detach()) - float(results["eager"][0])) > 1e-3
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert max((got - expected).abs().max() for got, expected in zip(grads, results["eager"][1], strict=True)) > 1e-2
+    for layer in (*model.model.encoder.layers, *model.model.decoder.layers):
+        layer.self_attn.scaling /= 2
     # attention dropout (not the paper's): the plain kernel, which draws the cheaper dropout mask
     model.config._attn_implementation = "sdpa"
     for layer in (*model.model.encoder.layers, *model.model.decoder.layers):
@@ -257,6 +321,10 @@ def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
     # (q|k|v, out, cross-attention q, k|v and out, fc1, fc2), and lm_head; and it gave what nn.Linear gives
     assert len(calls) == 2 * 4 + 2 * 7 + 1
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    # control: linears multiplied in bf16 move the logits by 1.4e-2, a thousand times the tolerance
+    with torch.no_grad():
+        rounded = bf16_rounded_linears(model)(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    assert (rounded - plain).abs().max() > 1e-3
 
 
 @needs_onednn
@@ -291,6 +359,9 @@ def test_generate_with_packed_linears_matches_and_sees_changed_weights(kwargs):
         slow = plain.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True,
                               max_new_tokens=8, **kwargs)
         assert torch.equal(fast.sequences, slow.sequences)
+        if kwargs["num_beams"] > 1:
+            assert sentences_differing_from_greedy(plain, slow.sequences, input_ids=ids, attention_mask=mask,
+                                                   max_new_tokens=8) >= 1
         for step_fast, step_slow in zip(fast.scores, slow.scores, strict=True):
             finite = torch.isfinite(step_slow)
             torch.testing.assert_close(step_fast[finite], step_slow[finite], rtol=1e-4, atol=1e-5)
@@ -412,6 +483,9 @@ def test_onednn_training_linear_computes_what_nn_linear_computes(monkeypatch, ro
     for fast_grad, plain_grad in zip(*grads, strict=True):
         assert fast_grad.shape == plain_grad.shape and fast_grad.is_contiguous()
         torch.testing.assert_close(fast_grad, plain_grad, rtol=1e-5, atol=1e-5)
+    # control: the product in bf16 moves the output by about 5e-3, hundreds of times the tolerance
+    rounded = F.linear(x.bfloat16().float(), plain.weight.bfloat16().float(), plain.bias)
+    assert (rounded - outputs[1]).abs().max() > 1e-3
 
 
 @needs_onednn
@@ -476,6 +550,13 @@ def test_a_training_step_in_onednn_equals_the_blas_step(monkeypatch):
     assert results["onednn"][1].keys() == results["blas"][1].keys() and len(results["blas"][1]) > 40
     for name, grad in results["blas"][1].items():
         torch.testing.assert_close(results["onednn"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # control: linears multiplied in bf16 move some gradient by 4e-2, far beyond 1e-6 + 1e-4 |g|
+    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "blas")
+    rounded = bf16_rounded_linears(make_tiny_model(dropout=0.0)).train()
+    rounded(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    excess = max(((p.grad - results["blas"][1][name]).abs() / (1e-6 + 1e-4 * results["blas"][1][name].abs())).max()
+                 for name, p in rounded.named_parameters() if p.grad is not None)
+    assert excess > 10
 
 
 @pytest.mark.parametrize("onednn_seconds,blas_seconds,expected", [(1.0, 1.3, "onednn"), (1.0, 1.25, "blas"),
@@ -531,6 +612,8 @@ def test_projected_cross_entropy_equals_cross_entropy_of_the_projection(library,
     expected_grads = torch.autograd.grad(expected, (hidden, weight))
     loss = kernels_vaswani.cpu_projected_cross_entropy(hidden, weight, labels, label_smoothing, divisor)
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    # control: this call's 37 rows as the divisor move the loss by a tenth, 10^5 times the tolerance
+    assert abs(float(loss.detach()) * 41 / 37 - float(expected.detach())) > 1e-2
     grads = torch.autograd.grad(loss * 3, (hidden, weight), retain_graph=True)
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want * 3, rtol=1e-5, atol=1e-6)
