@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a file (python training/plot.py): import
 
 
 def find_trainer_state(path: str | Path) -> Path:
-    """``path`` itself if it is a file; else ``path/trainer_state.json``; else the newest checkpoint's.
+    """`path` itself if it is a file; else `path/trainer_state.json`; else the newest checkpoint's.
 
     Raises:
         FileNotFoundError: none of these exists.
@@ -45,14 +45,14 @@ def find_trainer_state(path: str | Path) -> Path:
 
 
 def learning_curve_data(log_history: list[dict], metric: str = "bleu") -> dict[str, list[tuple[int, float]]]:
-    """Series of ``(step, value)`` from a Trainer ``log_history``.
+    """Series of `(step, value)` from a Trainer `log_history`.
 
     Returns:
-        ``{"train_loss": ..., "eval_loss": ..., f"eval_{metric}": ..., "learning_rate": ...}``, each sorted by step;
-        series that were never logged are empty. The end-of-training summary (``train_loss`` averaged over the run)
+        `{"train_loss": ..., "eval_loss": ..., f"eval_{metric}": ..., "learning_rate": ...}`, each sorted by step;
+        series that were never logged are empty. The end-of-training summary (`train_loss` averaged over the run)
         is not a point of the curve and is left out.
     Raises:
-        ValueError: ``log_history`` is not a list of dicts.
+        ValueError: `log_history` is not a list of dicts.
     """
     if not isinstance(log_history, list) or not all(isinstance(entry, dict) for entry in log_history):
         raise ValueError("log_history must be a list of dicts (trainer_state.json's 'log_history').")
@@ -70,7 +70,7 @@ def learning_curve_data(log_history: list[dict], metric: str = "bleu") -> dict[s
 
 
 def plot_learning_curve(trainer_state: str | Path, output: str | Path, metric: str = "bleu") -> Path:
-    """Draw the learning curve of a run to a PNG: losses, validation ``metric`` and learning rate against the step.
+    """Draw the learning curve of a run to a PNG: losses, validation `metric` and learning rate against the step.
 
     Raises:
         FileNotFoundError: no trainer_state.json. ValueError: it has no logged losses or metrics to draw.

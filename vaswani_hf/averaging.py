@@ -1,22 +1,22 @@
 """Checkpoint averaging (§6.1): "For the base models, we used a single model obtained by averaging the last 5
 checkpoints, which were written at 10-minute intervals. For the big models, we averaged the last 20 checkpoints."
 
-The average is taken parameter by parameter, as fairseq's ``scripts/average_checkpoints.py`` does: every floating
+The average is taken parameter by parameter, as fairseq's `scripts/average_checkpoints.py` does: every floating
 point tensor becomes the mean of that tensor over the checkpoints (summed in float64, stored in the checkpoints'
-dtype); tensors of other dtypes are copied from the newest checkpoint. Weights are read with ``safetensors`` only,
-never with ``torch.load`` (no pickle, so no code can run from a checkpoint file).
+dtype); tensors of other dtypes are copied from the newest checkpoint. Weights are read with `safetensors` only,
+never with `torch.load` (no pickle, so no code can run from a checkpoint file).
 
-A Trainer ``output_dir`` holds ``checkpoint-<step>`` folders; :func:`find_checkpoints` orders them by step number
-(``checkpoint-10000`` after ``checkpoint-9000``, which a plain sort gets wrong). The averaged model is written as a
-normal model folder: ``model.safetensors``, the newest checkpoint's config, generation config, tokenizer and model
-code files, and ``averaged_from.json`` naming the checkpoints. Weights that the checkpoints store once because they
+A Trainer `output_dir` holds `checkpoint-<step>` folders; `find_checkpoints` orders them by step number
+(`checkpoint-10000` after `checkpoint-9000`, which a plain sort gets wrong). The averaged model is written as a
+normal model folder: `model.safetensors`, the newest checkpoint's config, generation config, tokenizer and model
+code files, and `averaged_from.json` naming the checkpoints. Weights that the checkpoints store once because they
 are tied (the shared embeddings and the output projection, §3.4) are stored once again, so they stay tied when the
-folder is loaded with ``from_pretrained``.
+folder is loaded with `from_pretrained`.
 
 A new output folder is written whole under a temporary name beside it and then renamed (an existing earlier average
 is swapped out only once the new one is complete), so a kill never leaves new weights beside an old
-``averaged_from.json``. Inside a training run's own folder (``in_place=True``) every file is written to a temporary file
-and renamed, ``averaged_from.json`` last. Checkpoints whose weights are truncated or hold NaN or infinite values are
+`averaged_from.json`. Inside a training run's own folder (`in_place=True`) every file is written to a temporary file
+and renamed, `averaged_from.json` last. Checkpoints whose weights are truncated or hold NaN or infinite values are
 refused, naming the file.
 """
 
@@ -49,10 +49,10 @@ __all__ = ["average_checkpoints", "average_last_checkpoints", "check_average_out
 
 
 def find_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """The ``checkpoint-<step>`` folders directly under ``output_dir``, oldest (lowest step) first.
+    """The `checkpoint-<step>` folders directly under `output_dir`, oldest (lowest step) first.
 
     Raises:
-        FileNotFoundError: ``output_dir`` is not a folder.
+        FileNotFoundError: `output_dir` is not a folder.
     """
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
@@ -126,11 +126,11 @@ def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def average_checkpoints(paths: Sequence[str | os.PathLike]) -> dict[str, torch.Tensor]:
-    """The parameter-wise mean of the model weights in ``paths`` (model folders, e.g. Trainer checkpoints).
+    """The parameter-wise mean of the model weights in `paths` (model folders, e.g. Trainer checkpoints).
 
     Args:
-        paths: two or more folders, each with ``config.json`` and ``model.safetensors`` (or a sharded
-            ``model.safetensors.index.json``). One folder is allowed and returns its weights unchanged.
+        paths: two or more folders, each with `config.json` and `model.safetensors` (or a sharded
+            `model.safetensors.index.json`). One folder is allowed and returns its weights unchanged.
     Returns:
         a state dict with the checkpoints' keys: floating-point tensors averaged (float64 sum / n, cast back to their
         dtype), other tensors from the last path.
@@ -239,21 +239,21 @@ def _write_model_folder(folder: Path, tensors: dict[str, torch.Tensor], template
 def save_averaged_model(state_dict: dict[str, torch.Tensor], template: str | os.PathLike,
                         save_to: str | os.PathLike, sources: Sequence[str | os.PathLike] = (), *,
                         in_place: bool = False) -> Path:
-    """Write ``state_dict`` as a model folder ``save_to``, with the non-weight files (config, generation config,
-    tokenizer, model code) of the checkpoint folder ``template`` and ``averaged_from.json`` naming ``sources``.
+    """Write `state_dict` as a model folder `save_to`, with the non-weight files (config, generation config,
+    tokenizer, model code) of the checkpoint folder `template` and `averaged_from.json` naming `sources`.
 
-    By default the folder is written whole under a temporary name beside ``save_to`` and renamed into place; an
-    existing ``save_to`` must be an earlier average and is replaced only once the new one is complete.
-    ``in_place=True`` writes into ``save_to`` file by file instead (a training run's own ``output_dir``, which holds
-    the run's checkpoints): an earlier ``averaged_from.json`` is removed first and the new one written last, so that
+    By default the folder is written whole under a temporary name beside `save_to` and renamed into place; an
+    existing `save_to` must be an earlier average and is replaced only once the new one is complete.
+    `in_place=True` writes into `save_to` file by file instead (a training run's own `output_dir`, which holds
+    the run's checkpoints): an earlier `averaged_from.json` is removed first and the new one written last, so that
     it never names checkpoints other than those of the weights beside it.
 
     Returns:
         the folder written.
     Raises:
-        CheckError (a ValueError): ``save_to`` is ``template`` or one of ``sources``; an existing ``save_to`` that is
-            not an earlier average or holds other files (default mode); ``save_to`` holds sharded weights that the
-            new ``model.safetensors`` would not replace (``in_place``).
+        CheckError (a ValueError): `save_to` is `template` or one of `sources`; an existing `save_to` that is
+            not an earlier average or holds other files (default mode); `save_to` holds sharded weights that the
+            new `model.safetensors` would not replace (`in_place`).
     """
     template, save_to = Path(template), Path(save_to)
     if in_place:
@@ -291,20 +291,20 @@ def save_averaged_model(state_dict: dict[str, torch.Tensor], template: str | os.
 
 
 def average_last_checkpoints(output_dir: str | os.PathLike, n: int, save_to: str | os.PathLike) -> list[Path]:
-    """Average the last ``n`` ``checkpoint-<step>`` folders of a Trainer ``output_dir`` (by step number) and write the
-    result as a model folder ``save_to`` (§6.1: n = 5 for base models, 20 for big ones).
+    """Average the last `n` `checkpoint-<step>` folders of a Trainer `output_dir` (by step number) and write the
+    result as a model folder `save_to` (§6.1: n = 5 for base models, 20 for big ones).
 
     Args:
-        output_dir: the Trainer's ``output_dir``.
+        output_dir: the Trainer's `output_dir`.
         n: how many of the newest checkpoints to average (>= 1).
-        save_to: the folder to write (created if needed); loads with ``AutoModelForSeq2SeqLM.from_pretrained``.
+        save_to: the folder to write (created if needed); loads with `AutoModelForSeq2SeqLM.from_pretrained`.
     Returns:
         the checkpoint folders averaged, oldest first.
     Raises:
-        ValueError: ``n < 1``; fewer than ``n`` checkpoints (keep them with ``save_total_limit >= n``); checkpoints of
-            different configs; a damaged or non-finite checkpoint; a ``save_to`` that is not a new folder or an earlier
-            average (see :func:`save_averaged_model`).
-        FileNotFoundError: ``output_dir`` missing, or a checkpoint without config.json / safetensors weights.
+        ValueError: `n < 1`; fewer than `n` checkpoints (keep them with `save_total_limit >= n`); checkpoints of
+            different configs; a damaged or non-finite checkpoint; a `save_to` that is not a new folder or an earlier
+            average (see `save_averaged_model`).
+        FileNotFoundError: `output_dir` missing, or a checkpoint without config.json / safetensors weights.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"average_last_checkpoints: n must be a positive integer, got {n!r}.")

@@ -2,17 +2,17 @@
 
 Two numbers, both on a 0–100 scale:
 
-* ``bleu`` — sacreBLEU (Post, 2018) on detokenized, cased text with the standard ``13a`` tokenizer against the
+* `bleu` — sacreBLEU (Post, 2018) on detokenized, cased text with the standard `13a` tokenizer against the
   raw references: the comparable number (the paper's Table 2 WMT scores are tokenized BLEU; sacreBLEU is what
-  to report today). Comes with its signature, e.g. ``nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0``.
-* ``tok_bleu`` — "tokenized lowercased BLEU", the form Multi30k papers report: ``multi-bleu.perl`` on the
-  official ``tok/*.lc.norm.tok.*`` references, i.e. text that went through Moses ``lowercase.perl |
-  normalize-punctuation.perl -l L | tokenizer.perl -l L``. The hypotheses are put through the same pipeline
-  with ``sacremoses`` (lowercase → ``MosesPunctNormalizer(L)`` → ``MosesTokenizer(L)`` with HTML escaping,
-  as tokenizer.perl does by default; this reproduces the shipped Multi30k ``tok/`` files from the raw ones
-  exactly), then scored with sacreBLEU ``tokenize="none"``, ``smooth_method="none"`` — which is what
-  ``multi-bleu.perl`` computes (whitespace tokens, no smoothing, closest-reference brevity penalty).
-  ``tokenized_method="13a"`` is a dependency-free approximation (HTML-unescaped references, sacreBLEU 13a,
+  to report today). Comes with its signature, e.g. `nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`.
+* `tok_bleu` — "tokenized lowercased BLEU", the form Multi30k papers report: `multi-bleu.perl` on the
+  official `tok/*.lc.norm.tok.*` references, i.e. text that went through Moses `lowercase.perl |
+  normalize-punctuation.perl -l L | tokenizer.perl -l L`. The hypotheses are put through the same pipeline
+  with `sacremoses` (lowercase → `MosesPunctNormalizer(L)` → `MosesTokenizer(L)` with HTML escaping,
+  as tokenizer.perl does by default; this reproduces the shipped Multi30k `tok/` files from the raw ones
+  exactly), then scored with sacreBLEU `tokenize="none"`, `smooth_method="none"` — which is what
+  `multi-bleu.perl` computes (whitespace tokens, no smoothing, closest-reference brevity penalty).
+  `tokenized_method="13a"` is a dependency-free approximation (HTML-unescaped references, sacreBLEU 13a,
   lowercase=True); its number is not the published one and is labelled as such.
 """
 
@@ -35,11 +35,11 @@ RefsArg = Union[Sequence[str], Sequence[Sequence[str]], str, "os.PathLike[str]"]
 
 
 def load_bleu_metric(**kwargs: Any):
-    """The local sacreBLEU ``evaluate`` module (``vaswani_hf/metrics/sacrebleu_local``), loaded with no network.
+    """The local sacreBLEU `evaluate` module (`vaswani_hf/metrics/sacrebleu_local`), loaded with no network.
 
-    ``kwargs`` go to ``evaluate.load`` (e.g. ``experiment_id``, ``num_process``/``process_id`` for distributed
-    evaluation, ``keep_in_memory=True``). ``metric.compute(predictions=[...], references=[[...], ...])`` returns
-    ``score``, ``counts``, ``totals``, ``precisions``, ``bp``, ``sys_len``, ``ref_len`` and ``signature``.
+    `kwargs` go to `evaluate.load` (e.g. `experiment_id`, `num_process`/`process_id` for distributed
+    evaluation, `keep_in_memory=True`). `metric.compute(predictions=[...], references=[[...], ...])` returns
+    `score`, `counts`, `totals`, `precisions`, `bp`, `sys_len`, `ref_len` and `signature`.
     """
     import evaluate
 
@@ -109,9 +109,9 @@ def _moses(lang: str):
 
 
 def moses_lc_tokenize(sentences: Sequence[str], lang: str) -> list[str]:
-    """Lowercase → Moses punctuation normalization → Moses tokenization (escaped), as Multi30k's ``tok/`` files.
+    """Lowercase → Moses punctuation normalization → Moses tokenization (escaped), as Multi30k's `tok/` files.
 
-    Needs ``sacremoses``. ``lang`` is the text's language code (``"en"``, ``"de"``, ...).
+    Needs `sacremoses`. `lang` is the text's language code (`"en"`, `"de"`, ...).
     """
     norm, tok = _moses(lang)
     return [tok.tokenize(norm.normalize(s.lower()), return_str=True, escape=True) for s in sentences]
@@ -125,27 +125,27 @@ def compute_bleu(
     target_lang: str = "en",
     tokenized_method: str = "moses",
 ) -> dict[str, Any]:
-    """Corpus BLEU of detokenized ``hypotheses``.
+    """Corpus BLEU of detokenized `hypotheses`.
 
     Args:
         hypotheses: system outputs, one detokenized string per segment.
         references: raw (cased, untokenized) references: a list of strings, a list of lists of strings
-            (several references per segment), or a file path (plain or ``.gz``, one per line). Gives ``bleu``.
+            (several references per segment), or a file path (plain or `.gz`, one per line). Gives `bleu`.
         lowercase_tokenized_references: the official lowercased tokenized references (e.g.
-            ``vaswani_hf.data.multi30k_file("test", "en", tokenized_lowercased=True)``); gives ``tok_bleu``.
-        target_lang: language of the hypotheses, for Moses tokenization (``"en"`` for De→En).
-        tokenized_method: ``"moses"`` (default, the published Multi30k number; needs sacremoses) or ``"13a"``.
+            `vaswani_hf.data.multi30k_file("test", "en", tokenized_lowercased=True)`); gives `tok_bleu`.
+        target_lang: language of the hypotheses, for Moses tokenization (`"en"` for De→En).
+        tokenized_method: `"moses"` (default, the published Multi30k number; needs sacremoses) or `"13a"`.
 
     Returns:
-        dict with (when ``references`` given) ``bleu`` (float 0–100), ``signature`` (str), ``counts``,
-        ``totals``, ``precisions``, ``bp``, ``sys_len``, ``ref_len``; and (when
-        ``lowercase_tokenized_references`` given) ``tok_bleu`` (float 0–100) and ``tok_signature`` (str
-        naming the preprocessing, e.g. ``lc+moses-norm+moses-tok(en)|multi-bleu|nrefs:1|...``).
+        dict with (when `references` given) `bleu` (float 0–100), `signature` (str), `counts`,
+        `totals`, `precisions`, `bp`, `sys_len`, `ref_len`; and (when
+        `lowercase_tokenized_references` given) `tok_bleu` (float 0–100) and `tok_signature` (str
+        naming the preprocessing, e.g. `lc+moses-norm+moses-tok(en)|multi-bleu|nrefs:1|...`).
 
     Raises:
         ValueError: neither reference kind given, count mismatch between hypotheses and references, a
-            non-string hypothesis, unknown ``tokenized_method``.
-        ImportError: ``tokenized_method="moses"`` without sacremoses installed.
+            non-string hypothesis, unknown `tokenized_method`.
+        ImportError: `tokenized_method="moses"` without sacremoses installed.
     """
     if references is None and lowercase_tokenized_references is None:
         raise ValueError("give `references` (raw, for sacreBLEU) and/or `lowercase_tokenized_references`.")

@@ -1,19 +1,19 @@
 """Parallel-data loading and token-budget batching shared by the training scripts.
 
 Everything here works offline. The default corpus is the copy of Multi30k task 1 shipped as package data in
-``vaswani_hf/corpora/multi30k`` (see its README for origin, terms and citation); nothing is downloaded unless the
-caller explicitly asks for a Hugging Face Hub dataset with ``load_parallel_dataset(hub_dataset=...)``.
+`vaswani_hf/corpora/multi30k` (see its README for origin, terms and citation); nothing is downloaded unless the
+caller explicitly asks for a Hugging Face Hub dataset with `load_parallel_dataset(hub_dataset=...)`.
 
-Records have the layout used by the ``transformers`` translation examples::
+Records have the layout used by the `transformers` translation examples::
 
     {"translation": {"de": "Zwei junge weiße Männer ...", "en": "Two young, White males ..."}}
 
 Batching follows §5.1 of "Attention Is All You Need" ("Sentence pairs were batched together by approximate
 sequence length. Each training batch contained a set of sentence pairs containing approximately 25000 source
-tokens and 25000 target tokens") in the form fairseq implements it (``--max-tokens``): see
-:class:`TokenBudgetBatchSampler`.
+tokens and 25000 target tokens") in the form fairseq implements it (`--max-tokens`): see
+`TokenBudgetBatchSampler`.
 
-Bad input raises :class:`DataError` (``vaswani_hf.checks.CheckError``, a ``ValueError``) whose message names the
+Bad input raises `DataError` (`vaswani_hf.checks.CheckError`, a `ValueError`) whose message names the
 file, line or field and says how to fix it.
 """
 
@@ -83,7 +83,7 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 def split_lines(raw: bytes) -> list[bytes]:
-    """Bytes -> lines without their ends: ``\\n``, ``\\r\\n`` and a lone ``\\r`` end a line (so a file with
+    """Bytes -> lines without their ends: `\\n`, `\\r\\n` and a lone `\\r` end a line (so a file with
     CR-only line ends is not read as one long line); Unicode separators such as U+2028 do not. A trailing line end
     adds no empty line."""
     chunks = _LINE_END.split(raw)
@@ -93,11 +93,11 @@ def split_lines(raw: bytes) -> list[bytes]:
 
 
 def read_lines(path: PathLike) -> list[str]:
-    """Read a UTF-8 text file (plain or ``.gz``) as a list of lines, one sentence a line.
+    """Read a UTF-8 text file (plain or `.gz`) as a list of lines, one sentence a line.
 
-    Lines end at ``\\n``, ``\\r\\n`` or a lone ``\\r`` (Python's universal newlines: files saved with old Mac
+    Lines end at `\\n`, `\\r\\n` or a lone `\\r` (Python's universal newlines: files saved with old Mac
     line ends hold one sentence a line too), never at U+2028 or other Unicode separators inside a sentence, which
-    would shift the alignment with the other language (:func:`split_lines`). The line end is removed and surrounding
+    would shift the alignment with the other language (`split_lines`). The line end is removed and surrounding
     whitespace is stripped. A final line without a line end counts as a line; a trailing line end does not add one.
 
     Raises:
@@ -138,7 +138,7 @@ class ParallelText:
     Attributes:
         source, target: lists of equal length, one sentence each.
         source_lang, target_lang: language codes.
-        skipped: number of pairs dropped because a side was empty (``empty_lines="skip"``).
+        skipped: number of pairs dropped because a side was empty (`empty_lines="skip"`).
         origin: human-readable description of where the pairs came from (file names).
     """
 
@@ -178,7 +178,7 @@ def _apply_empty_policy(src, tgt, empty_lines, where_src, where_tgt, first_line=
 
 
 def _find_lang_files(prefix: Path) -> dict[str, Path]:
-    """Map language code -> existing file for files named ``{prefix}.{code}`` or ``{prefix}.{code}.gz``."""
+    """Map language code -> existing file for files named `{prefix}.{code}` or `{prefix}.{code}.gz`."""
     found: dict[str, Path] = {}
     parent = prefix.parent if str(prefix.parent) else Path(".")
     if not parent.is_dir():
@@ -219,19 +219,19 @@ def _lang_file(prefix: Path, lang: str) -> Path:
 def read_parallel_text(
     prefix: PathLike, source_lang: str, target_lang: str, *, empty_lines: str = "skip"
 ) -> ParallelText:
-    """Read aligned files ``{prefix}.{source_lang}[.gz]`` and ``{prefix}.{target_lang}[.gz]``.
+    """Read aligned files `{prefix}.{source_lang}[.gz]` and `{prefix}.{target_lang}[.gz]`.
 
     Args:
-        prefix: path without the language suffix, e.g. ``vaswani_hf/corpora/multi30k/train``.
-        source_lang, target_lang: language codes (file suffixes), e.g. ``"de"``, ``"en"``.
-        empty_lines: ``"skip"`` (default) drops pairs where either side is empty or whitespace-only and logs
-            the count (also in ``ParallelText.skipped``); ``"error"`` raises naming the file and line number;
-            ``"keep"`` keeps them.
+        prefix: path without the language suffix, e.g. `vaswani_hf/corpora/multi30k/train`.
+        source_lang, target_lang: language codes (file suffixes), e.g. `"de"`, `"en"`.
+        empty_lines: `"skip"` (default) drops pairs where either side is empty or whitespace-only and logs
+            the count (also in `ParallelText.skipped`); `"error"` raises naming the file and line number;
+            `"keep"` keeps them.
 
     Raises:
         DataError: missing file / unknown language (lists the languages present), empty file, non-UTF-8 bytes
             (file:line), different line counts (names both files and both counts), empty line with
-            ``empty_lines="error"``, ``source_lang == target_lang``.
+            `empty_lines="error"`, `source_lang == target_lang`.
     """
     if source_lang == target_lang:
         raise DataError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
@@ -257,13 +257,13 @@ def read_parallel_text(
 def read_parallel_jsonl(
     path: PathLike, source_lang: str, target_lang: str, *, empty_lines: str = "skip"
 ) -> ParallelText:
-    """Read a JSON-lines file (plain or ``.gz``), one ``{"translation": {"de": ..., "en": ...}}`` object a line.
+    """Read a JSON-lines file (plain or `.gz`), one `{"translation": {"de": ..., "en": ...}}` object a line.
 
     Blank lines are ignored. Extra languages and extra top-level fields are ignored.
-    ``empty_lines`` applies to empty sentence strings, as in :func:`read_parallel_text`.
+    `empty_lines` applies to empty sentence strings, as in `read_parallel_text`.
 
     Raises:
-        DataError: missing/empty/non-UTF-8 file; invalid JSON, missing ``translation`` field, missing language
+        DataError: missing/empty/non-UTF-8 file; invalid JSON, missing `translation` field, missing language
             (lists the codes that record has) or non-string sentence, each with file:line.
     """
     if source_lang == target_lang:
@@ -329,8 +329,8 @@ def _to_dataset(pt: ParallelText):
 
 
 def parallel_files(source: PathLike, source_lang: str, target_lang: str) -> list[Path]:
-    """The files a source of :func:`load_parallel_dataset` reads: the JSON-lines file, or the two files
-    ``{prefix}.{lang}[.gz]`` of a prefix (as found on disk; ``{prefix}.{lang}`` where neither exists)."""
+    """The files a source of `load_parallel_dataset` reads: the JSON-lines file, or the two files
+    `{prefix}.{lang}[.gz]` of a prefix (as found on disk; `{prefix}.{lang}` where neither exists)."""
     path = Path(source)
     if _is_jsonl(path):
         return [path]
@@ -401,24 +401,24 @@ def load_parallel_dataset(
     hub_config: str | None = None,
     hub_kwargs: Mapping[str, Any] | None = None,
 ):
-    """Load sentence pairs as ``datasets`` objects with records ``{"translation": {src: ..., tgt: ...}}``.
+    """Load sentence pairs as `datasets` objects with records `{"translation": {src: ..., tgt: ...}}`.
 
     Args:
-        sources: either one source (returns a ``datasets.Dataset``) or a mapping ``split -> source`` (returns a
-            ``datasets.DatasetDict``, e.g. ``{"train": ".../train", "validation": ".../val"}``). A source is
-            (a) a prefix of parallel text files ``{prefix}.{lang}`` / ``{prefix}.{lang}.gz``, one sentence a line,
-            or (b) a JSON-lines file ending in ``.jsonl``/``.json`` (optionally ``.gz``), one
-            ``{"translation": {"de": ..., "en": ...}}`` object a line.
+        sources: either one source (returns a `datasets.Dataset`) or a mapping `split -> source` (returns a
+            `datasets.DatasetDict`, e.g. `{"train": ".../train", "validation": ".../val"}`). A source is
+            (a) a prefix of parallel text files `{prefix}.{lang}` / `{prefix}.{lang}.gz`, one sentence a line,
+            or (b) a JSON-lines file ending in `.jsonl`/`.json` (optionally `.gz`), one
+            `{"translation": {"de": ..., "en": ...}}` object a line.
         source_lang, target_lang: translation direction (default De→En, as Multi30k is usually reported).
-        empty_lines: ``"skip"`` (default: drop pairs with an empty side, log the count), ``"error"`` (raise with
-            file:line) or ``"keep"``.
-        hub_dataset, hub_config, hub_kwargs: instead of ``sources``, call
-            ``datasets.load_dataset(hub_dataset, hub_config, **hub_kwargs)`` (network access unless cached; only
-            used when given). Must have a ``translation`` column. Returns a ``DatasetDict``.
+        empty_lines: `"skip"` (default: drop pairs with an empty side, log the count), `"error"` (raise with
+            file:line) or `"keep"`.
+        hub_dataset, hub_config, hub_kwargs: instead of `sources`, call
+            `datasets.load_dataset(hub_dataset, hub_config, **hub_kwargs)` (network access unless cached; only
+            used when given). Must have a `translation` column. Returns a `DatasetDict`.
 
     Raises:
-        DataError: see :func:`read_parallel_text` / :func:`read_parallel_jsonl`; also when both or neither of
-            ``sources`` and ``hub_dataset`` are given.
+        DataError: see `read_parallel_text` / `read_parallel_jsonl`; also when both or neither of
+            `sources` and `hub_dataset` are given.
     """
     import datasets
 
@@ -446,12 +446,12 @@ MULTI30K_ENV = "VASWANI_MULTI30K_DIR"
 
 
 def multi30k_dir() -> Path:
-    """Directory of the shipped Multi30k copy: ``$VASWANI_MULTI30K_DIR`` if set, else ``corpora/multi30k`` inside
-    the ``vaswani_hf`` package (its package data, in a checkout and in any install alike).
+    """Directory of the shipped Multi30k copy: `$VASWANI_MULTI30K_DIR` if set, else `corpora/multi30k` inside
+    the `vaswani_hf` package (its package data, in a checkout and in any install alike).
 
     Raises:
         DataError: the directory does not exist (an install that left out the package data, or a wrong
-            ``VASWANI_MULTI30K_DIR``); the message says to reinstall, fix the variable or pass explicit paths.
+            `VASWANI_MULTI30K_DIR`); the message says to reinstall, fix the variable or pass explicit paths.
     """
     env = os.environ.get(MULTI30K_ENV)
     d = Path(env) if env else Path(__file__).resolve().parent / "corpora" / "multi30k"
@@ -468,10 +468,10 @@ def multi30k_file(split: str, lang: str, *, tokenized_lowercased: bool = False) 
     """Path of one shipped Multi30k file.
 
     Args:
-        split: ``"train"``, ``"validation"`` or ``"test"`` (test = test_2016_flickr).
-        lang: ``"de"`` or ``"en"``.
+        split: `"train"`, `"validation"` or `"test"` (test = test_2016_flickr).
+        lang: `"de"` or `"en"`.
         tokenized_lowercased: if True, the official lowercased, punctuation-normalized, Moses-tokenized
-            reference (``tok/*.lc.norm.tok.{lang}.gz``) used for "tokenized BLEU" (see ``vaswani_hf.bleu``).
+            reference (`tok/*.lc.norm.tok.{lang}.gz`) used for "tokenized BLEU" (see `vaswani_hf.bleu`).
     """
     if split not in MULTI30K_SPLITS:
         raise DataError(f"unknown Multi30k split {split!r}; choose from {', '.join(MULTI30K_SPLITS)}.")
@@ -493,7 +493,7 @@ def load_multi30k(
     splits: Sequence[str] = ("train", "validation", "test"),
     empty_lines: str = "skip",
 ):
-    """The default dataset: shipped Multi30k task 1 as a ``DatasetDict`` (train 29,000 / validation 1,014 /
+    """The default dataset: shipped Multi30k task 1 as a `DatasetDict` (train 29,000 / validation 1,014 /
     test 1,000 pairs; test = test2016 Flickr), De→En by default, with no network access.
 
     Example::
@@ -531,20 +531,20 @@ def tokenize_dataset(
     batch_size: int = 1000,
     keep_translation: bool = False,
 ):
-    """Tokenize a ``Dataset``/``DatasetDict`` of ``{"translation": ...}`` records with any HF tokenizer.
+    """Tokenize a `Dataset`/`DatasetDict` of `{"translation": ...}` records with any HF tokenizer.
 
-    Produces ``input_ids``, ``attention_mask`` (source) and ``labels`` (target token ids, as the tokenizer
-    returns them for ``text_target=``; e.g. ending in ``</s>``), ready for
-    ``transformers.DataCollatorForSeq2Seq``.
+    Produces `input_ids`, `attention_mask` (source) and `labels` (target token ids, as the tokenizer
+    returns them for `text_target=`; e.g. ending in `</s>`), ready for
+    `transformers.DataCollatorForSeq2Seq`.
 
     Args:
-        max_length: truncate source sequences to this many tokens (``None``: no truncation).
-        max_target_length: same for labels; defaults to ``max_length``.
-        keep_translation: keep the original ``translation`` column (default: removed).
+        max_length: truncate source sequences to this many tokens (`None`: no truncation).
+        max_target_length: same for labels; defaults to `max_length`.
+        keep_translation: keep the original `translation` column (default: removed).
 
     Raises:
-        DataError: no ``translation`` column, or a language missing from it (lists the codes present);
-            non-positive ``max_length``.
+        DataError: no `translation` column, or a language missing from it (lists the codes present);
+            non-positive `max_length`.
     """
     import datasets
 
@@ -581,8 +581,8 @@ def tokenize_dataset(
 
 
 def example_lengths(dataset, source_column: str = "input_ids", target_column: str = "labels"):
-    """Per-example token counts ``(src_lengths, tgt_lengths)`` (int64 numpy arrays) of a tokenized dataset,
-    for :class:`TokenBudgetBatchSampler`."""
+    """Per-example token counts `(src_lengths, tgt_lengths)` (int64 numpy arrays) of a tokenized dataset,
+    for `TokenBudgetBatchSampler`."""
     for c in (source_column, target_column):
         if c not in dataset.column_names:
             raise DataError(
@@ -619,39 +619,39 @@ def _as_lengths(x, name: str) -> np.ndarray:
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
-    """Batches of example indices holding at most ``max_tokens`` padded tokens, like fairseq ``--max-tokens``.
+    """Batches of example indices holding at most `max_tokens` padded tokens, like fairseq `--max-tokens`.
 
     Paper §5.1: "Sentence pairs were batched together by approximate sequence length. Each training batch
     contained a set of sentence pairs containing approximately 25000 source tokens and 25000 target tokens."
 
-    Algorithm (per epoch, deterministic given ``seed`` and ``epoch``):
+    Algorithm (per epoch, deterministic given `seed` and `epoch`):
 
-    1. Order examples by source length, then target length (as fairseq's ``LanguagePairDataset``), ties broken
-       by a random permutation drawn from ``seed + epoch`` (only same-length examples are reordered, so the
+    1. Order examples by source length, then target length (as fairseq's `LanguagePairDataset`), ties broken
+       by a random permutation drawn from `seed + epoch` (only same-length examples are reordered, so the
        batch *sizes* are the same every epoch while their contents vary).
-    2. Greedily pack consecutive examples while ``max(max(src_i, tgt_i) over the batch) * batch_size <=
-       max_tokens`` (fairseq's ``num_tokens`` = max of source and target length, counted padded) and, if given,
-       ``batch_size <= max_sentences``.
-    3. Shuffle the batch order with ``seed + epoch`` (if ``shuffle``; otherwise keep length order and no
+    2. Greedily pack consecutive examples while `max(max(src_i, tgt_i) over the batch) * batch_size <=
+       max_tokens` (fairseq's `num_tokens` = max of source and target length, counted padded) and, if given,
+       `batch_size <= max_sentences`.
+    3. Shuffle the batch order with `seed + epoch` (if `shuffle`; otherwise keep length order and no
        tie-break noise, e.g. for evaluation).
-    4. Distributed: if ``num_replicas > 1`` the batch list is padded to a multiple of ``num_replicas`` by
-       repeating batches from its start (the only duplicates; at most ``num_replicas - 1`` batches), then rank
-       ``r`` takes batches ``r, r + num_replicas, ...``. Every example is seen at least once per epoch on some
-       rank, none is dropped, and every rank gets ``len(self)`` batches, so collective ops stay in step.
-       If you pass the DataLoader through ``accelerate.Accelerator.prepare``, keep ``num_replicas=1``:
-       accelerate shards batch samplers across processes itself (``even_batches=True`` pads the same way).
+    4. Distributed: if `num_replicas > 1` the batch list is padded to a multiple of `num_replicas` by
+       repeating batches from its start (the only duplicates; at most `num_replicas - 1` batches), then rank
+       `r` takes batches `r, r + num_replicas, ...`. Every example is seen at least once per epoch on some
+       rank, none is dropped, and every rank gets `len(self)` batches, so collective ops stay in step.
+       If you pass the DataLoader through `accelerate.Accelerator.prepare`, keep `num_replicas=1`:
+       accelerate shards batch samplers across processes itself (`even_batches=True` pads the same way).
 
-    An example whose ``max(src, tgt)`` exceeds ``max_tokens`` makes the constructor raise (fairseq asserts the
-    same), telling you to raise ``max_tokens`` or drop long examples (e.g. truncate with
-    ``tokenize_dataset(max_length=...)``); ``skip_oversize=True`` instead leaves them out and counts them in
-    ``num_skipped`` (logged; like fairseq's ``--skip-invalid-size-inputs-valid-test``).
+    An example whose `max(src, tgt)` exceeds `max_tokens` makes the constructor raise (fairseq asserts the
+    same), telling you to raise `max_tokens` or drop long examples (e.g. truncate with
+    `tokenize_dataset(max_length=...)`); `skip_oversize=True` instead leaves them out and counts them in
+    `num_skipped` (logged; like fairseq's `--skip-invalid-size-inputs-valid-test`).
 
-    Call :meth:`set_epoch` before each epoch (as with ``DistributedSampler``); otherwise every epoch repeats
+    Call `set_epoch` before each epoch (as with `DistributedSampler`); otherwise every epoch repeats
     the order of epoch 0.
 
     Args:
-        src_lengths: token count of each example's source (e.g. from :func:`example_lengths`).
-        tgt_lengths: token count of each target; ``None`` uses the source lengths only.
+        src_lengths: token count of each example's source (e.g. from `example_lengths`).
+        tgt_lengths: token count of each target; `None` uses the source lengths only.
         max_tokens: token budget per batch (padded, per rank). Paper: ~25000 per side on 8 GPUs.
         max_sentences: optional cap on examples per batch.
         shuffle: shuffle batch order and break ties randomly (training); False for evaluation.
@@ -660,8 +660,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         skip_oversize: see above.
 
     Raises:
-        DataError: lengths of different sizes / negative / non-integer, ``max_tokens`` or ``max_sentences`` not
-            a positive int, ``rank`` outside ``[0, num_replicas)``, an oversize example (unless skipped), or no
+        DataError: lengths of different sizes / negative / non-integer, `max_tokens` or `max_sentences` not
+            a positive int, `rank` outside `[0, num_replicas)`, an oversize example (unless skipped), or no
             examples.
     """
 
@@ -752,11 +752,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     # -- public API -----------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch used (with ``seed``) for tie-breaking and batch shuffling. Call before each epoch."""
+        """Set the epoch used (with `seed`) for tie-breaking and batch shuffling. Call before each epoch."""
         self.epoch = int(epoch)
 
     def global_batches(self, epoch: int | None = None) -> list[list[int]]:
-        """All batches of ``epoch`` (default: current) before the per-rank split, in iteration order."""
+        """All batches of `epoch` (default: current) before the per-rank split, in iteration order."""
         epoch = self.epoch if epoch is None else int(epoch)
         batches = self._make_batches(self._order(epoch))
         if self.shuffle:
@@ -779,7 +779,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     @property
     def num_examples(self) -> int:
-        """Examples covered per epoch (all of them minus ``num_skipped``)."""
+        """Examples covered per epoch (all of them minus `num_skipped`)."""
         return len(self._valid)
 
 
@@ -787,8 +787,8 @@ def padding_fraction(
     batches: Sequence[Sequence[int]], src_lengths: Sequence[int], tgt_lengths: Sequence[int] | None = None
 ) -> float:
     """Fraction of token slots that are padding when each batch's sources are padded to the batch's longest
-    source and targets to the longest target (what ``DataCollatorForSeq2Seq`` does), summed over both sides:
-    ``sum(pad slots) / sum(all slots)`` in [0, 1). ``tgt_lengths=None`` measures the source side only."""
+    source and targets to the longest target (what `DataCollatorForSeq2Seq` does), summed over both sides:
+    `sum(pad slots) / sum(all slots)` in [0, 1). `tgt_lengths=None` measures the source side only."""
     src = _as_lengths(src_lengths, "src_lengths")
     sides = [src] if tgt_lengths is None else [src, _as_lengths(tgt_lengths, "tgt_lengths")]
     total = real = 0

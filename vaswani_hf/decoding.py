@@ -8,44 +8,44 @@ Two length penalties
 --------------------
 The score of a finished hypothesis Y is its summed log-probability divided by a length penalty lp(Y):
 
-- ``"gnmt"`` (the paper, via GNMT, Wu et al. 2016, Eq. 14; tensor2tensor's beam search):
-  ``lp(Y) = ((5 + |Y|) / 6) ** alpha``;
-- ``"hf"`` (transformers' ``generate(length_penalty=alpha)``, also fairseq's ``--lenpen`` and CTranslate2's
-  ``length_penalty``): ``lp(Y) = |Y| ** alpha``.
+- `"gnmt"` (the paper, via GNMT, Wu et al. 2016, Eq. 14; tensor2tensor's beam search):
+  `lp(Y) = ((5 + |Y|) / 6) ** alpha`;
+- `"hf"` (transformers' `generate(length_penalty=alpha)`, also fairseq's `--lenpen` and CTranslate2's
+  `length_penalty`): `lp(Y) = |Y| ** alpha`.
 
 Both grow with |Y|, so both counter beam search's bias towards short outputs, but the GNMT penalty is milder (the 5
 acts as a length offset): at alpha = 0.6 it divides the score of a 2-token hypothesis by 1.10 and of a 30-token one
-by 2.88 (a 2.6-fold difference), where ``|Y| ** 0.6`` divides by 1.52 and 7.70 (5.1-fold). With the same alpha the
-``"hf"`` penalty therefore favours longer translations more, and the two can pick different hypotheses from the
+by 2.88 (a 2.6-fold difference), where `|Y| ** 0.6` divides by 1.52 and 7.70 (5.1-fold). With the same alpha the
+`"hf"` penalty therefore favours longer translations more, and the two can pick different hypotheses from the
 same beam.
 
-Here |Y| counts the tokens generated *including* the final ``</s>`` and *excluding* the decoder start token ``<s>``
-(tensor2tensor, fairseq and transformers all count this way; CTranslate2 leaves ``</s>`` out unless
-``return_end_token=True``).
+Here |Y| counts the tokens generated *including* the final `</s>` and *excluding* the decoder start token `<s>`
+(tensor2tensor, fairseq and transformers all count this way; CTranslate2 leaves `</s>` out unless
+`return_end_token=True`).
 
 How it is built (no fork of transformers' beam search)
 ------------------------------------------------------
-:func:`beam_search_hypotheses` runs transformers' own beam search with ``early_stopping=True`` (a sentence is done as
-soon as ``num_beams`` hypotheses ended in ``</s>``, as in fairseq), ``length_penalty=0.0`` (the scores are raw sums of
-log-probabilities) and ``num_return_sequences=num_beams``, so it returns every finished hypothesis with its raw score.
+`beam_search_hypotheses` runs transformers' own beam search with `early_stopping=True` (a sentence is done as
+soon as `num_beams` hypotheses ended in `</s>`, as in fairseq), `length_penalty=0.0` (the scores are raw sums of
+log-probabilities) and `num_return_sequences=num_beams`, so it returns every finished hypothesis with its raw score.
 Which hypotheses finish does not depend on the length penalty: beams are extended by raw score under any penalty.
-:func:`paper_generate` then divides each raw score by lp(Y) and keeps the best hypothesis per sentence.
+`paper_generate` then divides each raw score by lp(Y) and keeps the best hypothesis per sentence.
 
-When more than ``num_beams`` hypotheses finish at the last step, transformers keeps the ``num_beams`` with the best
+When more than `num_beams` hypotheses finish at the last step, transformers keeps the `num_beams` with the best
 raw scores. A hypothesis dropped that way has a lower raw score *and* is no longer than one that was kept, so it can
-never be the best under a length penalty that grows with length (``alpha >= 0``): the pick equals the best over every
-hypothesis that finished. With ``length_penalty_style="hf"`` the result is therefore exactly ``model.generate(
-num_beams=4, length_penalty=alpha, early_stopping=True)`` (tested), apart from the length limit below.
+never be the best under a length penalty that grows with length (`alpha >= 0`): the pick equals the best over every
+hypothesis that finished. With `length_penalty_style="hf"` the result is therefore exactly `model.generate(
+num_beams=4, length_penalty=alpha, early_stopping=True)` (tested), apart from the length limit below.
 
-Only the paper's settings apply: for the duration of the call the model's ``generation_config`` is replaced by one
-that holds nothing else, so options saved with the model (``no_repeat_ngram_size``, ``min_length``, ...) cannot change
+Only the paper's settings apply: for the duration of the call the model's `generation_config` is replaced by one
+that holds nothing else, so options saved with the model (`no_repeat_ngram_size`, `min_length`, ...) cannot change
 the search.
 
-The maximum length is per sentence: :class:`SourceLengthLimitLogitsProcessor` lets a hypothesis of sentence ``i``
-produce at most ``int(max_len_a * src_len_i + max_len_b)`` tokens (``src_len_i`` = the non-padding source tokens,
-``</s>`` included) by allowing only ``</s>`` as the last one, as fairseq does at its ``max_len``; never more than the
-decoder positions the model has (``config.max_positions`` less the start token: a learned table cannot go further).
-The ``</s>`` keeps its model log-probability, so scores stay true log-probabilities of the returned tokens.
+The maximum length is per sentence: `SourceLengthLimitLogitsProcessor` lets a hypothesis of sentence `i`
+produce at most `int(max_len_a * src_len_i + max_len_b)` tokens (`src_len_i` = the non-padding source tokens,
+`</s>` included) by allowing only `</s>` as the last one, as fairseq does at its `max_len`; never more than the
+decoder positions the model has (`config.max_positions` less the start token: a learned table cannot go further).
+The `</s>` keeps its model log-probability, so scores stay true log-probabilities of the returned tokens.
 
 tensor2tensor, the paper's code, stops differently: it keeps extending a sentence while an unfinished hypothesis could
 still beat the finished ones under the penalty. The fairseq rule used here ends sooner; the two rarely choose
@@ -81,24 +81,24 @@ def gnmt_length_penalty(length: torch.Tensor | float, alpha: float = 0.6) -> tor
     """lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al., 2016, Eq. 14), the penalty of §6.1.
 
     Args:
-        length: |Y|, the number of generated tokens including ``</s>`` (scalar or tensor of any shape).
+        length: |Y|, the number of generated tokens including `</s>` (scalar or tensor of any shape).
         alpha: the exponent (0.6 in the paper; 0 disables the penalty).
     Returns:
-        the penalty, same shape as ``length``; a hypothesis scores ``sum(log p) / lp``.
+        the penalty, same shape as `length`; a hypothesis scores `sum(log p) / lp`.
     """
     return ((5.0 + length) / 6.0) ** alpha
 
 
 def hf_length_penalty(length: torch.Tensor | float, alpha: float = 0.6) -> torch.Tensor | float:
-    """lp(Y) = |Y| ** alpha, the penalty of transformers' ``generate(length_penalty=alpha)`` (and fairseq, CTranslate2).
+    """lp(Y) = |Y| ** alpha, the penalty of transformers' `generate(length_penalty=alpha)` (and fairseq, CTranslate2).
 
-    Args / returns as :func:`gnmt_length_penalty`.
+    Args / returns as `gnmt_length_penalty`.
     """
     return length**alpha
 
 
 def length_penalty(length: torch.Tensor | float, alpha: float, style: str = "gnmt") -> torch.Tensor | float:
-    """The length penalty of ``style`` (``"gnmt"`` or ``"hf"``, see the module docstring).
+    """The length penalty of `style` (`"gnmt"` or `"hf"`, see the module docstring).
 
     Raises:
         ValueError: an unknown style.
@@ -111,15 +111,15 @@ def length_penalty(length: torch.Tensor | float, alpha: float, style: str = "gnm
 
 
 def max_output_lengths(attention_mask: torch.Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> torch.Tensor:
-    """Per-sentence limit on generated tokens (``</s>`` included): ``int(max_len_a * src_len + max_len_b)`` (§6.1:
+    """Per-sentence limit on generated tokens (`</s>` included): `int(max_len_a * src_len + max_len_b)` (§6.1:
     a = 1, b = 50).
 
     Args:
-        attention_mask: ``(B, S)`` source mask, 1 for tokens and 0 for padding; ``src_len`` is its row sum.
+        attention_mask: `(B, S)` source mask, 1 for tokens and 0 for padding; `src_len` is its row sum.
     Returns:
-        ``(B,)`` long tensor of limits.
+        `(B,)` long tensor of limits.
     Raises:
-        ValueError: a limit below 1 (no room even for ``</s>``).
+        ValueError: a limit below 1 (no room even for `</s>`).
     """
     src_len = attention_mask.long().sum(dim=1).to(torch.float64)
     limits = torch.floor(max_len_a * src_len + max_len_b).long()
@@ -132,18 +132,18 @@ def max_output_lengths(attention_mask: torch.Tensor, max_len_a: float = 1.0, max
 
 
 class SourceLengthLimitLogitsProcessor(LogitsProcessor):
-    """Allows only ``</s>`` as the last token a hypothesis may produce, so that sentence ``i`` gets at most
-    ``max_new_tokens[i]`` generated tokens, ``</s>`` included (§6.1's "input length + 50" is
-    ``max_new_tokens = max_output_lengths(attention_mask)``).
+    """Allows only `</s>` as the last token a hypothesis may produce, so that sentence `i` gets at most
+    `max_new_tokens[i]` generated tokens, `</s>` included (§6.1's "input length + 50" is
+    `max_new_tokens = max_output_lengths(attention_mask)`).
 
-    Works for greedy and beam search: the ``B * k`` rows that transformers passes are mapped to sentences as
-    ``row // k`` (``generate`` repeats each sentence ``k`` times in a row). The ``</s>`` score is left as the model gave
-    it (transformers' ``ForcedEOSTokenLogitsProcessor`` sets it to 0 instead), so hypothesis scores remain true
+    Works for greedy and beam search: the `B * k` rows that transformers passes are mapped to sentences as
+    `row // k` (`generate` repeats each sentence `k` times in a row). The `</s>` score is left as the model gave
+    it (transformers' `ForcedEOSTokenLogitsProcessor` sets it to 0 instead), so hypothesis scores remain true
     log-probabilities.
 
     Args:
-        max_new_tokens: ``(B,)`` limits per sentence.
-        eos_token_id: the id of ``</s>``.
+        max_new_tokens: `(B,)` limits per sentence.
+        eos_token_id: the id of `</s>`.
         decoder_prompt_length: tokens the decoder input starts with (1: the decoder start token).
     """
 
@@ -156,7 +156,7 @@ class SourceLengthLimitLogitsProcessor(LogitsProcessor):
         self.decoder_prompt_length = decoder_prompt_length
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        """``input_ids`` ``(B * k, T)``, ``scores`` ``(B * k, V)`` -> scores with everything but ``</s>`` at -inf in the
+        """`input_ids` `(B * k, T)`, `scores` `(B * k, V)` -> scores with everything but `</s>` at -inf in the
         rows whose next token is their last allowed one."""
         rows, batch = input_ids.shape[0], self.max_new_tokens.numel()
         if rows % batch:
@@ -173,14 +173,14 @@ class SourceLengthLimitLogitsProcessor(LogitsProcessor):
 
 @dataclass
 class FinishedHypotheses:
-    """The finished hypotheses of a beam search, ``K = num_beams`` per sentence, best raw score first.
+    """The finished hypotheses of a beam search, `K = num_beams` per sentence, best raw score first.
 
     Attributes:
-        sequences: ``(B, K, L)`` token ids starting with the decoder start token; after the first ``</s>`` the
-            positions hold ``pad_token_id``.
-        scores: ``(B, K)`` raw scores: the summed log-probabilities of the generated tokens, ``</s>`` included.
-        lengths: ``(B, K)`` |Y|: tokens generated up to and including the first ``</s>``.
-        valid: ``(B, K)`` False for slots that no hypothesis filled (possible only for degenerate limits).
+        sequences: `(B, K, L)` token ids starting with the decoder start token; after the first `</s>` the
+            positions hold `pad_token_id`.
+        scores: `(B, K)` raw scores: the summed log-probabilities of the generated tokens, `</s>` included.
+        lengths: `(B, K)` |Y|: tokens generated up to and including the first `</s>`.
+        valid: `(B, K)` False for slots that no hypothesis filled (possible only for degenerate limits).
     """
 
     sequences: torch.LongTensor
@@ -189,12 +189,12 @@ class FinishedHypotheses:
     valid: torch.BoolTensor
 
     def rescore(self, alpha: float = 0.6, style: str = "gnmt") -> torch.Tensor:
-        """``(B, K)`` penalized scores ``scores / lp(lengths)``; empty slots get ``-inf``."""
+        """`(B, K)` penalized scores `scores / lp(lengths)`; empty slots get `-inf`."""
         penalized = self.scores / length_penalty(self.lengths.to(self.scores.dtype), alpha, style)
         return penalized.masked_fill(~self.valid, float("-inf"))
 
     def best(self, alpha: float = 0.6, style: str = "gnmt") -> torch.LongTensor:
-        """``(B,)`` index in ``K`` of the best hypothesis under the length penalty."""
+        """`(B,)` index in `K` of the best hypothesis under the length penalty."""
         return self.rescore(alpha, style).argmax(dim=1)
 
 
@@ -272,7 +272,7 @@ def _only(model, config: GenerationConfig):
 
 
 def _first_eos_lengths(generated: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``generated`` ``(N, T)`` (no start token) -> (|Y| up to and including the first ``</s>``, has-``</s>``)."""
+    """`generated` `(N, T)` (no start token) -> (|Y| up to and including the first `</s>`, has-`</s>`)."""
     is_eos = generated.eq(eos)
     has_eos = is_eos.any(dim=1)
     first = torch.where(has_eos, is_eos.int().argmax(dim=1),
@@ -281,7 +281,7 @@ def _first_eos_lengths(generated: torch.Tensor, eos: int) -> tuple[torch.Tensor,
 
 
 def _pad_after_eos(sequences: torch.Tensor, lengths: torch.Tensor, pad: int) -> torch.Tensor:
-    """Positions after ``1 + lengths`` (start token + |Y|) become ``pad`` (transformers fills them with ``</s>`` when
+    """Positions after `1 + lengths` (start token + |Y|) become `pad` (transformers fills them with `</s>` when
     the pad id is 0)."""
     positions = torch.arange(sequences.shape[-1], device=sequences.device)
     return sequences.masked_fill(positions >= (1 + lengths).unsqueeze(-1), pad)
@@ -296,21 +296,21 @@ def beam_search_hypotheses(
     max_len_a: float = 1.0,
     max_len_b: int = 50,
 ) -> FinishedHypotheses:
-    """Run transformers' beam search and return all ``num_beams`` finished hypotheses per sentence with raw scores.
+    """Run transformers' beam search and return all `num_beams` finished hypotheses per sentence with raw scores.
 
-    ``generate`` is called with ``early_stopping=True``, ``length_penalty=0.0``, ``num_return_sequences=num_beams``,
-    ``output_scores=True`` and a :class:`SourceLengthLimitLogitsProcessor` (see the module docstring).
+    `generate` is called with `early_stopping=True`, `length_penalty=0.0`, `num_return_sequences=num_beams`,
+    `output_scores=True` and a `SourceLengthLimitLogitsProcessor` (see the module docstring).
 
     Args:
-        model: a ``VaswaniForConditionalGeneration`` (any encoder-decoder ``GenerationMixin`` model works); put it
-            in ``eval()`` mode first, or dropout makes the search random.
-        input_ids: ``(B, S)`` source ids; attention_mask: ``(B, S)`` (default: ``input_ids != pad_token_id``).
+        model: a `VaswaniForConditionalGeneration` (any encoder-decoder `GenerationMixin` model works); put it
+            in `eval()` mode first, or dropout makes the search random.
+        input_ids: `(B, S)` source ids; attention_mask: `(B, S)` (default: `input_ids != pad_token_id`).
         num_beams: beam size, at least 2 (4 in the paper).
-        max_len_a, max_len_b: at most ``int(max_len_a * src_len + max_len_b)`` generated tokens per sentence.
+        max_len_a, max_len_b: at most `int(max_len_a * src_len + max_len_b)` generated tokens per sentence.
     Returns:
-        :class:`FinishedHypotheses` with ``K = num_beams``.
+        `FinishedHypotheses` with `K = num_beams`.
     Raises:
-        ValueError: bad shapes, ``num_beams < 2``, limits below 1, a model without eos/pad/start ids.
+        ValueError: bad shapes, `num_beams < 2`, limits below 1, a model without eos/pad/start ids.
     """
     eos, pad, start = _special_ids(model)
     attention_mask = _check_inputs(input_ids, attention_mask, pad, num_beams, 0.0, "gnmt")
@@ -354,25 +354,25 @@ def paper_generate(
     length_penalty_style: str = "gnmt",
 ) -> torch.LongTensor:
     """Translate with the paper's decoding (§6.1): beam 4, GNMT length penalty alpha = 0.6, at most input length + 50
-    tokens per sentence, stopping once ``num_beams`` hypotheses have finished.
+    tokens per sentence, stopping once `num_beams` hypotheses have finished.
 
     Args:
-        model: a ``VaswaniForConditionalGeneration`` in ``eval()`` mode.
-        input_ids: ``(B, S)`` source ids (as the tokenizer gives them, ending in ``</s>``).
-        attention_mask: ``(B, S)``, 1 for tokens, 0 for padding (default: ``input_ids != pad_token_id``).
+        model: a `VaswaniForConditionalGeneration` in `eval()` mode.
+        input_ids: `(B, S)` source ids (as the tokenizer gives them, ending in `</s>`).
+        attention_mask: `(B, S)`, 1 for tokens, 0 for padding (default: `input_ids != pad_token_id`).
         num_beams: beam size (default 4); 1 is greedy search, where no length penalty applies.
         alpha: length-penalty exponent (default 0.6); 0 ranks hypotheses by raw log-probability.
-        max_len_a, max_len_b: at most ``int(max_len_a * src_len + max_len_b)`` generated tokens, ``</s>`` included,
-            where ``src_len`` counts the non-padding source tokens (defaults 1 and 50), and at most the decoder
+        max_len_a, max_len_b: at most `int(max_len_a * src_len + max_len_b)` generated tokens, `</s>` included,
+            where `src_len` counts the non-padding source tokens (defaults 1 and 50), and at most the decoder
             positions the model has.
-        length_penalty_style: ``"gnmt"`` (default): ``((5 + |Y|) / 6) ** alpha`` as in the paper; ``"hf"``:
-            ``|Y| ** alpha`` as ``model.generate(length_penalty=alpha)`` (see the module docstring).
+        length_penalty_style: `"gnmt"` (default): `((5 + |Y|) / 6) ** alpha` as in the paper; `"hf"`:
+            `|Y| ** alpha` as `model.generate(length_penalty=alpha)` (see the module docstring).
     Returns:
-        ``(B, L)`` token ids like ``model.generate`` returns: the decoder start token, the translation, ``</s>``, then
-        ``pad_token_id`` up to the longest translation in the batch. ``tokenizer.batch_decode(ids,
-        skip_special_tokens=True)`` gives the text.
+        `(B, L)` token ids like `model.generate` returns: the decoder start token, the translation, `</s>`, then
+        `pad_token_id` up to the longest translation in the batch. `tokenizer.batch_decode(ids,
+        skip_special_tokens=True)` gives the text.
     Raises:
-        ValueError: bad shapes or dtypes, ``num_beams < 1``, ``alpha < 0``, an unknown style, limits below 1.
+        ValueError: bad shapes or dtypes, `num_beams < 1`, `alpha < 0`, an unknown style, limits below 1.
     """
     eos, pad, start = _special_ids(model)
     attention_mask = _check_inputs(input_ids, attention_mask, pad, num_beams, alpha, length_penalty_style)

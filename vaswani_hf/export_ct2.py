@@ -1,31 +1,31 @@
 """Export a trained model to CTranslate2 (https://github.com/OpenNMT/CTranslate2), a C++ inference engine for
 Transformer models with int8 quantization, for fast CPU and GPU translation.
 
-CTranslate2 has no converter for this model, so :func:`build_ct2_spec` fills its ``TransformerSpec`` directly, as
+CTranslate2 has no converter for this model, so `build_ct2_spec` fills its `TransformerSpec` directly, as
 its own fairseq and transformers (BART/Marian) converters do:
 
-- post-LN (§3.1) is ``pre_norm=False``: every sublayer's LayerNorm follows the residual sum; ``normalize_before=True``
-  models export as ``pre_norm=True`` with the final LayerNorm of each stack;
-- embeddings are multiplied by ``sqrt(d_model)`` (§3.4): ``scale_embeddings``;
+- post-LN (§3.1) is `pre_norm=False`: every sublayer's LayerNorm follows the residual sum; `normalize_before=True`
+  models export as `pre_norm=True` with the final LayerNorm of each stack;
+- embeddings are multiplied by `sqrt(d_model)` (§3.4): `scale_embeddings`;
 - positions (§3.5) are exported as an explicit table. This model interleaves sines and cosines as the paper's
-  formula does (``PE(pos, 2i) = sin``, ``PE(pos, 2i+1) = cos``); CTranslate2's built-in sinusoidal encoding is a
+  formula does (`PE(pos, 2i) = sin`, `PE(pos, 2i+1) = cos`); CTranslate2's built-in sinusoidal encoding is a
   different table (sines and cosines in two blocks, as in fairseq and OpenNMT; with it the log-probabilities of a
   test model move by up to 1.5 nats), so it is not used. The table has
-  ``max_positions`` rows (default ``config.max_position_embeddings``), which bounds source and output lengths;
-- self-attention's ``q_proj``, ``k_proj``, ``v_proj`` stacked (q|k|v blocks, heads contiguous in each) are exactly
-  CTranslate2's fused ``linear[0]``; encoder-decoder attention maps ``q_proj`` to ``linear[0]`` and ``k_proj``,
-  ``v_proj`` stacked (k|v) to ``linear[1]``; ``out_proj`` is ``linear[2]`` / ``linear[1]``;
+  `max_positions` rows (default `config.max_position_embeddings`), which bounds source and output lengths;
+- self-attention's `q_proj`, `k_proj`, `v_proj` stacked (q|k|v blocks, heads contiguous in each) are exactly
+  CTranslate2's fused `linear[0]`; encoder-decoder attention maps `q_proj` to `linear[0]` and `k_proj`,
+  `v_proj` stacked (k|v) to `linear[1]`; `out_proj` is `linear[2]` / `linear[1]`;
 - the embeddings and output projection are one matrix (§3.4); CTranslate2 stores it once (it aliases equal
   variables);
-- the vocabulary is the tokenizer's, in id order; ``<s>`` starts the decoder, ``</s>`` ends it, and sources are
-  passed with their ``</s>`` as the tokenizer makes them (``add_source_eos=False``).
+- the vocabulary is the tokenizer's, in id order; `<s>` starts the decoder, `</s>` ends it, and sources are
+  passed with their `</s>` as the tokenizer makes them (`add_source_eos=False`).
 
-Numerics: in float32, CTranslate2's greedy and beam search outputs are token-identical to ``model.generate`` with the
-same settings (tested), with ``length_penalty`` meaning the same ``|Y| ** alpha`` when |Y| counts ``</s>``, which
-CTranslate2 does with ``return_end_token=True`` (:func:`ct2_translate` sets it). CTranslate2 has no GNMT penalty and
-one maximum length per call (``max_decoding_length``); a hypothesis that reaches it ends without ``</s>``.
+Numerics: in float32, CTranslate2's greedy and beam search outputs are token-identical to `model.generate` with the
+same settings (tested), with `length_penalty` meaning the same `|Y| ** alpha` when |Y| counts `</s>`, which
+CTranslate2 does with `return_end_token=True` (`ct2_translate` sets it). CTranslate2 has no GNMT penalty and
+one maximum length per call (`max_decoding_length`); a hypothesis that reaches it ends without `</s>`.
 
-``ctranslate2`` is an optional dependency (``pip install ctranslate2``, or the ``ct2`` extra).
+`ctranslate2` is an optional dependency (`pip install ctranslate2`, or the `ct2` extra).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from .checks import follow_umask
 from .modeling_vaswani import sinusoidal_table
 
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
@@ -60,11 +61,11 @@ def _import_ctranslate2():
 
 
 def vocabulary_from_tokenizer(tokenizer, size: int | None = None) -> list[str]:
-    """The tokenizer's tokens in id order (``tokens[i]`` is id ``i``), padded to ``size`` entries with unused
+    """The tokenizer's tokens in id order (`tokens[i]` is id `i`), padded to `size` entries with unused
     placeholder tokens when the model's embedding has more rows than the tokenizer has tokens.
 
     Raises:
-        ValueError: ids that are not ``0..n-1``, or a tokenizer larger than ``size``.
+        ValueError: ids that are not `0..n-1`, or a tokenizer larger than `size`.
     """
     vocab = tokenizer.get_vocab()
     tokens = [None] * len(vocab)
@@ -134,13 +135,13 @@ def _set_ffn(spec, layer) -> None:
 
 
 def build_ct2_spec(model, vocabulary: Sequence[str], max_positions: int | None = None):
-    """Fill a ``ctranslate2.specs.TransformerSpec`` from a ``VaswaniForConditionalGeneration``.
+    """Fill a `ctranslate2.specs.TransformerSpec` from a `VaswaniForConditionalGeneration`.
 
     Args:
         model: the model (any device and dtype; weights are copied as float32).
-        vocabulary: tokens in id order, ``len(vocabulary) == config.vocab_size`` (see
-            :func:`vocabulary_from_tokenizer`); the target side uses the first ``config.decoder_vocab_size``.
-        max_positions: rows of the exported sinusoidal table (default ``config.max_position_embeddings``); sources
+        vocabulary: tokens in id order, `len(vocabulary) == config.vocab_size` (see
+            `vocabulary_from_tokenizer`); the target side uses the first `config.decoder_vocab_size`.
+        max_positions: rows of the exported sinusoidal table (default `config.max_position_embeddings`); sources
             and outputs must fit in it. Learned positions export their own table.
     Returns:
         the spec, not yet validated, quantized or saved.
@@ -211,25 +212,25 @@ def export_ct2(
     max_positions: int | None = None,
     force: bool = False,
 ) -> Path:
-    """Convert a saved ``VaswaniForConditionalGeneration`` folder into a CTranslate2 model folder.
+    """Convert a saved `VaswaniForConditionalGeneration` folder into a CTranslate2 model folder.
 
     Args:
-        model_dir: a folder from ``save_pretrained`` (or a Trainer checkpoint, or an averaged model) with its
+        model_dir: a folder from `save_pretrained` (or a Trainer checkpoint, or an averaged model) with its
             tokenizer.
-        output_dir: the CTranslate2 folder to write (``model.bin``, ``config.json``, ``shared_vocabulary.json``, and the
-            tokenizer files so that ``AutoTokenizer.from_pretrained(output_dir)`` works). Written to a temporary folder
+        output_dir: the CTranslate2 folder to write (`model.bin`, `config.json`, `shared_vocabulary.json`, and the
+            tokenizer files so that `AutoTokenizer.from_pretrained(output_dir)` works). Written to a temporary folder
             beside it and renamed into place.
-        quantization: ``None`` (keep float32) or one of :data:`QUANTIZATIONS`, e.g. ``"int8"`` for CPU inference.
-            CTranslate2 can also convert at load time: ``ctranslate2.Translator(path, compute_type="int8")``.
-        vocabulary: tokens in id order, when ``model_dir`` has no tokenizer.
-        max_positions: rows of the exported position table (default ``config.max_position_embeddings``).
-        force: replace an existing ``output_dir``; never one that is, contains or lies inside ``model_dir``.
+        quantization: `None` (keep float32) or one of `QUANTIZATIONS`, e.g. `"int8"` for CPU inference.
+            CTranslate2 can also convert at load time: `ctranslate2.Translator(path, compute_type="int8")`.
+        vocabulary: tokens in id order, when `model_dir` has no tokenizer.
+        max_positions: rows of the exported position table (default `config.max_position_embeddings`).
+        force: replace an existing `output_dir`; never one that is, contains or lies inside `model_dir`.
     Returns:
-        ``Path(output_dir)``.
+        `Path(output_dir)`.
     Raises:
-        FileExistsError: ``output_dir`` exists and ``force`` is False.
-        ValueError: ``output_dir`` is, contains or lies inside ``model_dir`` (`vaswani_hf.checks.CheckError`), an
-            unknown quantization, no tokenizer and no ``vocabulary``, a vocabulary that does not fit.
+        FileExistsError: `output_dir` exists and `force` is False.
+        ValueError: `output_dir` is, contains or lies inside `model_dir` (`vaswani_hf.checks.CheckError`), an
+            unknown quantization, no tokenizer and no `vocabulary`, a vocabulary that does not fit.
         ImportError: ctranslate2 is not installed.
     """
     from .checks import check_output_dir, check_output_not_in_inputs
@@ -267,6 +268,7 @@ def export_ct2(
     staging = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.", suffix=".tmp"))
     try:
         spec.save(str(staging))
+        follow_umask(staging)  # mkdtemp made it 0700
         if output_dir.exists():
             old = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.", suffix=".old"))
             os.replace(output_dir, old / "previous")
@@ -289,12 +291,12 @@ def ct2_translate(
     max_len_b: int = 50,
     **translate_kwargs,
 ) -> list[str]:
-    """Translate ``sentences`` with a ``ctranslate2.Translator`` of an exported model.
+    """Translate `sentences` with a `ctranslate2.Translator` of an exported model.
 
-    Sources are tokenized with ``tokenizer`` (ending in ``</s>``, as the model was trained); the decoding matches
-    ``model.generate(num_beams=beam_size, length_penalty=length_penalty, early_stopping=True)``: |Y| counts
-    ``</s>`` (``return_end_token=True``, and the ``</s>`` is removed afterwards). The maximum output length is the
-    longest source in the call + ``max_len_b`` tokens.
+    Sources are tokenized with `tokenizer` (ending in `</s>`, as the model was trained); the decoding matches
+    `model.generate(num_beams=beam_size, length_penalty=length_penalty, early_stopping=True)`: |Y| counts
+    `</s>` (`return_end_token=True`, and the `</s>` is removed afterwards). The maximum output length is the
+    longest source in the call + `max_len_b` tokens.
 
     Returns:
         one detokenized translation per sentence, in input order.

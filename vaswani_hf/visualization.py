@@ -2,13 +2,13 @@
 every head of the encoder self-attention, the decoder (masked) self-attention and the encoder-decoder attention,
 drawn as heatmaps with the subword tokens on the axes.
 
-:func:`attention_maps` computes the weights (no drawing; usable without matplotlib); :func:`plot_attention` draws one
+`attention_maps` computes the weights (no drawing; usable without matplotlib); `plot_attention` draws one
 kind as a grid of per-head heatmaps to a PNG. matplotlib is an optional dependency, imported only when drawing
-(``pip install matplotlib`` or ``pip install 'vaswani-hf[train]'``); drawing uses the Agg backend and no pyplot
+(`pip install matplotlib` or `pip install 'vaswani-hf[train]'`); drawing uses the Agg backend and no pyplot
 state, so it works on machines without a display.
 
-Rows are queries, columns keys. Decoder rows are labelled with the decoder *input* at that position (``<s>`` and
-the target without its ``</s>``); row ``t`` is the state that predicts target token ``t + 1``.
+Rows are queries, columns keys. Decoder rows are labelled with the decoder *input* at that position (`<s>` and
+the target without its `</s>`); row `t` is the state that predicts target token `t + 1`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .checks import follow_umask
 
 ATTENTION_KINDS = ("encoder", "decoder", "cross")
 _TITLES = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",
@@ -34,10 +36,10 @@ class AttentionMaps:
     """Attention weights of one layer for one sentence pair.
 
     Attributes:
-        source_tokens: the ``S`` source subwords (ending in ``</s>``).
-        target_tokens: the ``T`` decoder input subwords (``<s>`` then the target without ``</s>``).
+        source_tokens: the `S` source subwords (ending in `</s>`).
+        target_tokens: the `T` decoder input subwords (`<s>` then the target without `</s>`).
         layer: 0-based layer index; num_layers: layers in the stack.
-        encoder: ``(H, S, S)``; decoder: ``(H, T, T)`` (zero above the diagonal); cross: ``(H, T, S)``. Every row
+        encoder: `(H, S, S)`; decoder: `(H, T, T)` (zero above the diagonal); cross: `(H, T, S)`. Every row
             is a probability distribution over the keys.
     """
 
@@ -55,7 +57,7 @@ class AttentionMaps:
         return getattr(self, kind)
 
     def axes(self, kind: str) -> tuple[list[str], list[str]]:
-        """(row labels, column labels) of ``kind``."""
+        """(row labels, column labels) of `kind`."""
         return {"encoder": (self.source_tokens, self.source_tokens),
                 "decoder": (self.target_tokens, self.target_tokens),
                 "cross": (self.target_tokens, self.source_tokens)}[kind]
@@ -74,12 +76,12 @@ def attention_weights(model, input_ids: torch.LongTensor, decoder_input_ids: tor
     """Teacher-forced attention weights of one sentence pair in one layer.
 
     Args:
-        model: a ``VaswaniForConditionalGeneration`` (dropout is off only in ``eval()`` mode).
-        input_ids: ``(S,)`` or ``(1, S)`` source ids, no padding.
-        decoder_input_ids: ``(T,)`` or ``(1, T)`` decoder input ids (start token first).
+        model: a `VaswaniForConditionalGeneration` (dropout is off only in `eval()` mode).
+        input_ids: `(S,)` or `(1, S)` source ids, no padding.
+        decoder_input_ids: `(T,)` or `(1, T)` decoder input ids (start token first).
         layer: 0-based layer index (negative counts from the end; default the last layer).
     Returns:
-        ``{"encoder": (H, S, S), "decoder": (H, T, T), "cross": (H, T, S)}`` float32 tensors on the CPU.
+        `{"encoder": (H, S, S), "decoder": (H, T, T), "cross": (H, T, S)}` float32 tensors on the CPU.
     Raises:
         ValueError: a batch of more than one sentence, or a layer the model does not have.
     """
@@ -103,18 +105,18 @@ def attention_weights(model, input_ids: torch.LongTensor, decoder_input_ids: tor
 @torch.no_grad()
 def attention_maps(model, tokenizer, source: str, target: str | None = None, layer: int = -1,
                    num_beams: int = 1) -> AttentionMaps:
-    """Attention weights for ``source`` and either a given ``target`` or the model's own translation.
+    """Attention weights for `source` and either a given `target` or the model's own translation.
 
     Args:
-        model: a ``VaswaniForConditionalGeneration``; put it in ``eval()`` mode.
-        tokenizer: its tokenizer (sources and targets end in ``</s>``).
+        model: a `VaswaniForConditionalGeneration`; put it in `eval()` mode.
+        tokenizer: its tokenizer (sources and targets end in `</s>`).
         source: the source sentence.
-        target: a reference translation; ``None`` translates ``source`` with
-            :func:`vaswani_hf.decoding.paper_generate` (greedy for ``num_beams=1``, else beam search with the GNMT
+        target: a reference translation; `None` translates `source` with
+            `vaswani_hf.decoding.paper_generate` (greedy for `num_beams=1`, else beam search with the GNMT
             penalty) and shows the attention that produced it.
         layer: 0-based layer (default the last).
     Returns:
-        :class:`AttentionMaps`.
+        `AttentionMaps`.
     Raises:
         ValueError: an empty source, a layer the model does not have.
     """
@@ -144,7 +146,7 @@ def attention_maps(model, tokenizer, source: str, target: str | None = None, lay
 
 
 def new_figure(**kwargs):
-    """A matplotlib ``Figure`` (no pyplot, no display needed); ``kwargs`` go to ``Figure``.
+    """A matplotlib `Figure` (no pyplot, no display needed); `kwargs` go to `Figure`.
 
     Raises:
         ImportError: matplotlib is not installed (the message says how to install it).
@@ -158,7 +160,7 @@ def new_figure(**kwargs):
 
 
 def save_figure(figure, path: str | os.PathLike, dpi: int = 100) -> Path:
-    """Write a matplotlib ``Figure`` to ``path`` as PNG, atomically (temporary file beside it, then renamed)."""
+    """Write a matplotlib `Figure` to `path` as PNG, atomically (temporary file beside it, then renamed)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     path = Path(path)
@@ -168,6 +170,7 @@ def save_figure(figure, path: str | os.PathLike, dpi: int = 100) -> Path:
     os.close(fd)
     try:
         figure.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
+        follow_umask(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -177,15 +180,15 @@ def save_figure(figure, path: str | os.PathLike, dpi: int = 100) -> Path:
 
 def plot_attention(maps: AttentionMaps, kind: str, path: str | os.PathLike, heads_per_row: int = 4,
                    cmap: str = "viridis", dpi: int = 100) -> Path:
-    """Draw one kind of attention of ``maps`` as a grid of per-head heatmaps and write it to a PNG. The colour scale
+    """Draw one kind of attention of `maps` as a grid of per-head heatmaps and write it to a PNG. The colour scale
     runs from 0 to the largest weight in the figure, the same for every head.
 
     Args:
-        maps: from :func:`attention_maps`.
-        kind: ``"encoder"``, ``"decoder"`` or ``"cross"``.
+        maps: from `attention_maps`.
+        kind: `"encoder"`, `"decoder"` or `"cross"`.
         path: the PNG to write (folders are created).
     Returns:
-        ``Path(path)``.
+        `Path(path)`.
     Raises:
         KeyError: an unknown kind. ImportError: matplotlib is missing.
     """
@@ -219,7 +222,7 @@ def plot_attention(maps: AttentionMaps, kind: str, path: str | os.PathLike, head
 
 def plot_all_attention(maps: AttentionMaps, output_dir: str | os.PathLike, prefix: str = "attention",
                        **kwargs) -> list[Path]:
-    """:func:`plot_attention` for the three kinds, to ``output_dir/{prefix}_layer{L}_{kind}.png`` (L 1-based)."""
+    """`plot_attention` for the three kinds, to `output_dir/{prefix}_layer{L}_{kind}.png` (L 1-based)."""
     output_dir = Path(output_dir)
     return [plot_attention(maps, kind, output_dir / f"{prefix}_layer{maps.layer + 1}_{kind}.png", **kwargs)
             for kind in ATTENTION_KINDS]
