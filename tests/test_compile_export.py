@@ -73,7 +73,10 @@ def test_exported_graph_keeps_the_mask_even_when_traced_unpadded():
     inputs = _inputs(5, 3, 9, 7)
     with torch.no_grad():
         expected = wrapper(*inputs)
+        unmasked = wrapper(inputs[0], torch.ones_like(inputs[1]), inputs[2], torch.ones_like(inputs[3]))
     torch.testing.assert_close(exported.module()(*inputs), expected, atol=ATOL, rtol=0)
+    # control: the graph with "no mask" frozen in would be 0.77 off, 10^5 times ATOL
+    assert (unmasked - expected).abs().max() > 0.1
 
 
 def test_onnx_export_through_dynamo_equals_eager_under_onnxruntime(tmp_path):
@@ -93,6 +96,11 @@ def test_onnx_export_through_dynamo_equals_eager_under_onnxruntime(tmp_path):
             expected = wrapper(*inputs)
         (logits,) = session.run(None, {name: tensor.numpy() for name, tensor in zip(names, inputs, strict=True)})
         torch.testing.assert_close(torch.from_numpy(logits), expected, atol=1e-4, rtol=0)
+        # control: the same graph given masks of ones (padding attended) is 0.6 to 1.2 off, 10^4 times the tolerance
+        ones = {name: tensor.numpy() for name, tensor in zip(names, inputs, strict=True)}
+        ones.update(attention_mask=torch.ones_like(inputs[1]).numpy(),
+                    decoder_attention_mask=torch.ones_like(inputs[3]).numpy())
+        assert (torch.from_numpy(session.run(None, ones)[0]) - expected).abs().max() > 0.1
 
 
 def _training_batch(seed: int = 0):
@@ -124,6 +132,15 @@ def test_fullgraph_compiled_training_step_equals_eager():
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+    # control: a step that attended to the padding (the mask traced away) moves the loss by 3e-2, 3000 times ATOL, and
+    # some gradient by thousands of times its tolerance
+    compiled.zero_grad()
+    unmasked = compiled(**{**batch, "attention_mask": torch.ones_like(batch["attention_mask"])}).loss
+    unmasked.backward()
+    assert abs(float(unmasked.detach()) - float(expected.detach())) > 1e-3
+    excess = max(((b.grad - a.grad).abs() / (1e-5 + 1e-4 * a.grad.abs())).max()
+                 for a, b in zip(eager.parameters(), compiled.parameters(), strict=True) if a.grad is not None)
+    assert excess > 100
 
 
 def test_eager_checks_still_hold_off_the_traced_path():

@@ -16,6 +16,17 @@ def trim(row: torch.Tensor) -> list[int]:
     return tokens[: tokens.index(2, 1) + 1] if 2 in tokens[1:] else [t for t in tokens if t != 0]
 
 
+def sentences_differing_from_greedy(model, out: torch.Tensor, kwargs: dict, **common) -> int | None:
+    """For a beam-search call (`kwargs`), how many sentences' best hypothesis differs from greedy search's translation
+    with the same inputs and lengths (`common`): a beam test on inputs where beam search returns greedy's tokens shows
+    nothing. `None` for calls that are not beam search."""
+    if kwargs.get("num_beams", 1) == 1 or kwargs.get("do_sample"):
+        return None
+    greedy = model.generate(num_beams=1, do_sample=False, **common)
+    best = out[:: kwargs.get("num_return_sequences", 1)]
+    return sum(trim(b) != trim(g) for b, g in zip(best, greedy, strict=True))
+
+
 def test_greedy_is_argmax_of_the_model():
     model = make_tiny_model()
     ids, mask = padded_batch(length=9)
@@ -35,6 +46,8 @@ def test_default_decoding_is_beam_4_with_length_penalty():
     explicit = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, length_penalty=0.6,
                               early_stopping=True, **SHORT)
     assert torch.equal(default, explicit)
+    assert sentences_differing_from_greedy(model, default, dict(num_beams=4), input_ids=ids, attention_mask=mask,
+                                           **SHORT) >= 1
     # beam search with several returned hypotheses, best first
     out = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, num_return_sequences=3,
                          return_dict_in_generate=True, output_scores=True, **SHORT)
@@ -54,6 +67,7 @@ def test_cached_and_uncached_generation_are_identical(kwargs):
     cached = model.generate(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs, **SHORT)
     uncached = model.generate(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs, **SHORT)
     assert torch.equal(cached, uncached)
+    assert sentences_differing_from_greedy(model, cached, kwargs, input_ids=ids, attention_mask=mask, **SHORT) != 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_beams=1, do_sample=False), dict(num_beams=4)])
@@ -97,6 +111,7 @@ def test_reusing_encoder_outputs_gives_the_same_translation(kwargs):
     again = model.generate(encoder_outputs=encoder_outputs, attention_mask=mask, **kwargs, **SHORT)
     assert torch.equal(again, expected)
     assert calls == []  # the encoder did not run again
+    assert sentences_differing_from_greedy(model, expected, kwargs, input_ids=ids, attention_mask=mask, **SHORT) != 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_beams=1, do_sample=False), dict(num_beams=4)])
@@ -108,6 +123,7 @@ def test_a_padded_batch_translates_each_sentence_as_alone(kwargs):
         n = int(mask[row].sum())
         alone = model.generate(input_ids=ids[row: row + 1, :n], **kwargs, **SHORT)
         assert trim(batched[row]) == trim(alone[0])
+    assert sentences_differing_from_greedy(model, batched, kwargs, input_ids=ids, attention_mask=mask, **SHORT) != 0
 
 
 class EndFirstSentenceEarly(LogitsProcessor):
@@ -188,6 +204,8 @@ def test_static_cache_gives_the_dynamic_caches_tokens(kwargs):
     torch.manual_seed(0)
     static = model.generate(**common, cache_implementation="static")
     assert torch.equal(static, dynamic)
+    assert sentences_differing_from_greedy(model, dynamic, kwargs, input_ids=ids, attention_mask=mask,
+                                           max_new_tokens=8, min_new_tokens=8) != 0
 
 
 def test_compiled_decoding_step_gives_eager_tokens():

@@ -50,6 +50,18 @@ def forward_logits(model, ids, mask, sequences) -> torch.Tensor:
                      decoder_input_ids=sequences[:, :-1], use_cache=False).logits
 
 
+def sentences_differing_from_greedy(model, out: torch.Tensor, kwargs: dict, **common) -> int | None:
+    """For a beam-search call (`kwargs`), how many sentences' best hypothesis differs from greedy search's translation
+    with the same inputs and lengths (`common`): a beam test on inputs where beam search returns greedy's tokens shows
+    nothing. `None` for calls that are not beam search."""
+    if kwargs.get("num_beams", 1) == 1 or kwargs.get("do_sample"):
+        return None
+    greedy = model.generate(**{**common, **GREEDY})
+    strip = lambda row: [t for t in row.tolist() if t != PAD]  # noqa: E731
+    best = out[:: kwargs.get("num_return_sequences", 1)]
+    return sum(strip(b) != strip(g) for b, g in zip(best, greedy, strict=True))
+
+
 # --- dictionary outputs of every decoding method ----------------------------------------------------------------------
 
 
@@ -119,8 +131,11 @@ def test_greedy_scores_are_the_models_own_logits():
     assert out.sequences.shape == (3, 9) and not out.sequences[:, 1:].eq(EOS).any()  # no row finished early
     scores, logits = torch.stack(out.scores, 1), torch.stack(out.logits, 1)
     torch.testing.assert_close(scores, logits, rtol=0, atol=0)
-    torch.testing.assert_close(logits, forward_logits(model, ids, mask, out.sequences), rtol=1e-4, atol=1e-4)
+    forward = forward_logits(model, ids, mask, out.sequences)
+    torch.testing.assert_close(logits, forward, rtol=1e-4, atol=1e-4)
     assert torch.equal(scores.argmax(-1), out.sequences[:, 1:])
+    # control: logits one position off (a cache that lost or repeated a step) are 1.6 off, 10^4 times the tolerance
+    assert (logits[:, 1:] - forward[:, :-1]).abs().max() > 0.1
 
 
 def test_sampled_rows_use_their_own_sentences_logits():
@@ -135,6 +150,9 @@ def test_sampled_rows_use_their_own_sentences_logits():
     assert out.sequences.shape == (9, 7)
     logits, scores = torch.stack(out.logits, 1), torch.stack(out.scores, 1)  # (9, 6, V)
     torch.testing.assert_close(logits, forward_logits(model, ids, mask, out.sequences), rtol=1e-4, atol=1e-4)
+    # control: the rows' logits on another sentence's source (rows not following their sentence) are far off
+    others = forward_logits(model, ids.roll(1, 0), mask.roll(1, 0), out.sequences)
+    assert (logits - others).abs().max() > 0.1
     top4 = logits.topk(4, dim=-1).indices
     tokens = out.sequences[:, 1:]
     assert top4.eq(tokens[..., None]).any(-1).all()
@@ -164,11 +182,16 @@ def test_returned_hypotheses_are_best_first_with_their_transition_scores(do_samp
     best = model.generate(**common)
     assert out.sequences.shape[0] == 9 and best.shape[0] == 3
     assert torch.equal(out.sequences[::3], best)
+    if not do_sample:
+        assert sentences_differing_from_greedy(model, best, common, input_ids=ids, attention_mask=mask,
+                                               max_new_tokens=7) >= 1
     scores = out.sequences_scores.view(3, 3)
     assert (scores[:, :-1] >= scores[:, 1:]).all()
     transition = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits=False)
     lengths = out.beam_indices.ge(0).sum(-1)
     torch.testing.assert_close(transition.sum(-1) / lengths, out.sequences_scores, rtol=1e-5, atol=1e-5)
+    # control: scores without the division by the length are 11 or more off, 10^6 times the tolerance
+    assert (transition.sum(-1) - out.sequences_scores).abs().min() > 1.0
 
 
 class FavourEos(LogitsProcessor):
@@ -225,7 +248,10 @@ def test_returned_cache_holds_every_layers_keys_and_values(beams):
         attention = model.model.decoder.layers[index].encoder_attn
         with torch.no_grad():
             keys = attention.k_proj(encoded).view(3, -1, HEADS, HEAD_DIM).transpose(1, 2)
+            values = attention.v_proj(encoded).view(3, -1, HEADS, HEAD_DIM).transpose(1, 2)
         torch.testing.assert_close(layer.keys, keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.values, values, rtol=1e-4, atol=1e-4)
+        assert (layer.keys - values).abs().max() > 0.1  # control: keys and values swapped
 
 
 def test_continuing_from_the_returned_cache_gives_the_tokens_of_one_call():
@@ -249,6 +275,8 @@ def test_continuing_from_the_returned_cache_gives_the_tokens_of_one_call():
         assert second.past_key_values.get_seq_length() == 8
         torch.testing.assert_close(torch.stack(second.logits, 1), torch.stack(whole.logits[4:], 1),
                                    rtol=1e-4, atol=1e-4)
+        # control: a continuation one position off (the cache's length miscounted) differs far beyond 1e-4
+        assert (torch.stack(second.logits, 1) - torch.stack(whole.logits[3:7], 1)).abs().max() > 0.1
 
 
 # --- inputs -----------------------------------------------------------------------------------------------------------
@@ -264,6 +292,8 @@ def test_generating_from_inputs_embeds_equals_generating_from_input_ids(kwargs):
         embeds = model.get_input_embeddings()(ids)
     from_embeds = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=6, **kwargs)
     assert torch.equal(from_embeds, from_ids)
+    assert sentences_differing_from_greedy(model, from_ids, kwargs, input_ids=ids, attention_mask=mask,
+                                           max_new_tokens=6) != 0
     other = model.generate(inputs_embeds=embeds * 2, attention_mask=mask, max_new_tokens=6, **kwargs)
     assert not torch.equal(other, from_ids)  # the embeddings are what the encoder reads
 
@@ -331,8 +361,12 @@ def test_a_target_prefix_is_continued_and_only_its_last_logits_are_needed(kwargs
     assert torch.equal(model.generate(**common, logits_to_keep=0), out.sequences)
     assert all(logits.shape == (3 * kwargs["num_beams"], VOCAB) for logits in out.logits)
     with torch.no_grad():
-        first = model(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix).logits[:, -1]
-    torch.testing.assert_close(out.logits[0][:: kwargs["num_beams"]], first, rtol=1e-4, atol=1e-4)
+        logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix).logits
+    torch.testing.assert_close(out.logits[0][:: kwargs["num_beams"]], logits[:, -1], rtol=1e-4, atol=1e-4)
+    # control: the logits of the prefix's next-to-last position (what logits_to_keep=1 must not keep) are far off
+    assert (out.logits[0][:: kwargs["num_beams"]] - logits[:, -2]).abs().max() > 0.1
+    assert sentences_differing_from_greedy(model, out.sequences, kwargs, input_ids=ids, attention_mask=mask,
+                                           decoder_input_ids=prefix, max_new_tokens=5, min_new_tokens=5) != 0
 
 
 # --- lengths and logits processors ------------------------------------------------------------------------------------
@@ -433,6 +467,8 @@ def test_repetition_penalty_rescales_the_tokens_seen_so_far():
             expected[row, seen] = torch.where(values < 0, values * penalty, values / penalty)
         expected[:, EOS] = -float("inf")  # min_new_tokens
         torch.testing.assert_close(scores, expected)
+        finite = torch.isfinite(expected)
+        assert (logits[finite] - expected[finite]).abs().max() > 0.01  # control: the penalty not applied
     plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, **GREEDY)
     assert not torch.equal(plain, out.sequences)
     repeats = lambda seqs: sum(len(row) - len(set(row)) for row in seqs[:, 1:].tolist())  # noqa: E731
@@ -476,6 +512,8 @@ def test_generation_config_round_trips_and_is_used(tmp_path):
     explicit = make_tiny_model().generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=5,
                                           no_repeat_ngram_size=2, length_penalty=1.0, early_stopping=True)
     assert torch.equal(out, explicit)
+    assert sentences_differing_from_greedy(loaded, out, dict(num_beams=2), input_ids=ids, attention_mask=mask,
+                                           max_new_tokens=5, no_repeat_ngram_size=2) >= 1
     default = make_tiny_model().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5)
     assert not torch.equal(default, out)  # the saved config changed the result
     assert loaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3).shape[1] <= 4  # calls override it
@@ -503,3 +541,6 @@ def test_compiled_forward_beam_search_gives_eager_tokens(returned):
     compiled = model.generate(**common, cache_implementation="static")
     assert len(graphs) == 2  # the first step (prefill) and the decoding step, each traced once
     assert torch.equal(compiled, eager)
+    common = {k: v for k, v in common.items() if k not in ("num_beams", "num_return_sequences")}
+    assert sentences_differing_from_greedy(make_tiny_model(seed=2), eager, dict(num_beams=3,
+                                           num_return_sequences=returned), **common) >= 1
