@@ -95,6 +95,9 @@ def test_pick_is_the_argmax_of_a_brute_force_rescoring(model, batch, style, alph
             assert sequence[length].item() == EOS and not sequence[1:length].eq(EOS).any()
             log_prob = _teacher_forced_log_prob(model, ids[i], mask[i], sequence, length)
             assert log_prob == pytest.approx(hyps.scores[i, k].item(), abs=1e-4)  # scores are raw sums, </s> included
+            if i == 0:  # control: a sum without </s>'s log-probability is 0.9 or more off, 10^4 times the tolerance
+                without_eos = _teacher_forced_log_prob(model, ids[i], mask[i], sequence, length - 1)
+                assert abs(without_eos - hyps.scores[i, k].item()) > 0.1
             rescored.append(log_prob / penalty(length))
         best = max(range(4), key=rescored.__getitem__)
         picks.append(best)
@@ -113,6 +116,8 @@ def test_hf_style_equals_transformers_generate(model, batch):
                                early_stopping=True, max_length=80)
     assert ours.tolist() == reference[:, : ours.shape[1]].tolist()
     assert reference[:, ours.shape[1] :].eq(PAD).all()
+    greedy = paper_generate(model, ids, mask, num_beams=1)  # beam search differs from it (5 of 8 sentences here)
+    assert sum(a[a.ne(PAD)].tolist() != b[b.ne(PAD)].tolist() for a, b in zip(ours, greedy, strict=True)) >= 2
 
 
 @torch.no_grad()

@@ -37,6 +37,18 @@ class StockGeneration(VaswaniForConditionalGeneration):
         return past_key_values
 
 
+def sentences_differing_from_greedy(model, out: torch.Tensor, kwargs: dict, **common) -> int | None:
+    """For a beam-search call (`kwargs`), how many sentences' best hypothesis differs from greedy search's translation
+    with the same inputs and lengths (`common`): a beam test on inputs where beam search returns greedy's tokens shows
+    nothing. `None` for calls that are not beam search."""
+    if kwargs.get("num_beams", 1) == 1 or kwargs.get("do_sample"):
+        return None
+    greedy = model.generate(num_beams=1, do_sample=False, **common)
+    strip = lambda row: [t for t in row.tolist() if t != 0]  # noqa: E731
+    best = out[:: kwargs.get("num_return_sequences", 1)]
+    return sum(strip(b) != strip(g) for b, g in zip(best, greedy, strict=True))
+
+
 def stock_copy(model: VaswaniForConditionalGeneration) -> StockGeneration:
     stock = StockGeneration(model.config).eval()
     stock.load_state_dict(model.state_dict())
@@ -63,10 +75,16 @@ def test_generation_matches_transformers_expansion_and_reordering(kwargs, attn):
                                           output_scores=True, **kwargs, **SHORT))
     ours, expected = outputs
     assert torch.equal(ours.sequences, expected.sequences)
+    assert sentences_differing_from_greedy(model, ours.sequences, kwargs, input_ids=ids, attention_mask=mask,
+                                           **SHORT) != 0
+    rows = ours.scores[0].shape[0] // 3  # of each sentence
     for step_ours, step_expected in zip(ours.scores, expected.scores, strict=True):
         finite = torch.isfinite(step_expected)
         assert torch.equal(finite, torch.isfinite(step_ours))
         torch.testing.assert_close(step_ours[finite], step_expected[finite], rtol=1e-5, atol=1e-5)
+        # control: the rows of another sentence (an encoder row shared with the wrong beams) are far off
+        both = finite & finite.roll(rows, 0)
+        assert (step_ours - step_expected.roll(rows, 0))[both].abs().max() > 0.1
     if kwargs.get("num_beams", 1) > 1:
         torch.testing.assert_close(ours.sequences_scores, expected.sequences_scores, rtol=1e-5, atol=1e-5)
 
@@ -134,6 +152,10 @@ def test_decoder_rows_may_share_encoder_rows(attn):
         shared = model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=decoder_ids,
                        output_attentions=True)
         torch.testing.assert_close(shared.logits, expected.logits, rtol=1e-5, atol=1e-5)
+        # control: encoder rows tiled instead of repeated (rows paired with the wrong sentences) are far off
+        tiled = type(encoder)(last_hidden_state=encoder.last_hidden_state.repeat(2, 1, 1))
+        wrong = model(encoder_outputs=tiled, attention_mask=mask.repeat(2, 1), decoder_input_ids=decoder_ids)
+        assert (wrong.logits - expected.logits).abs().max() > 0.1
         for ours, reference in zip(shared.cross_attentions, expected.cross_attentions, strict=True):
             assert ours.shape == reference.shape == (6, 4, 4, 9)
             torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
@@ -157,6 +179,7 @@ def test_logits_to_keep_projects_only_the_positions_asked_for():
     assert last.shape == (3, 1, 99) and some.shape == (3, 2, 99)
     torch.testing.assert_close(last, full[:, -1:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(some, full[:, [0, 3]], rtol=1e-5, atol=1e-5)
+    assert (last - full[:, -2:-1]).abs().max() > 0.1  # control: the position before
     assert with_labels.logits.shape == (3, 5, 99)  # the loss needs every position: ignored with labels
     assert model._supports_logits_to_keep()  # so generate() passes logits_to_keep=1
 
@@ -176,6 +199,8 @@ def test_a_forced_decoder_prefix_generates_the_same_with_logits_to_keep():
         out = model.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, **kwargs, **SHORT)
         expected = plain.generate(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, **kwargs, **SHORT)
         assert torch.equal(out[:, :3], prefix) and torch.equal(out, expected)
+        assert sentences_differing_from_greedy(model, out, kwargs, input_ids=ids, attention_mask=mask,
+                                               decoder_input_ids=prefix, **SHORT) != 0
 
 
 def test_torch_compile_forward_matches_eager():
@@ -191,6 +216,10 @@ def test_torch_compile_forward_matches_eager():
         out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
     torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # control: a graph that lost the padding mask would be far off
+        unmasked = model(input_ids=ids, attention_mask=torch.ones_like(mask), labels=labels)
+    assert (unmasked.logits - expected.logits).abs().max() > 0.1
+    assert abs(float(unmasked.loss) - float(expected.loss)) > 1e-4
 
 
 def test_torch_compile_decoding_matches_eager():
@@ -203,6 +232,8 @@ def test_torch_compile_decoding_matches_eager():
     model.forward = torch.compile(model.forward)
     out = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=4)
     assert torch.equal(out, expected)
+    assert sentences_differing_from_greedy(make_tiny_model(), expected, dict(num_beams=4), input_ids=ids,
+                                           attention_mask=mask, max_new_tokens=4) >= 1
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -228,6 +259,8 @@ def test_beam_search_leaves_finished_sentences_out_and_returns_the_same(kwargs):
     model.skip_finished_sentences = False
     everything = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **kwargs)
     assert torch.equal(skipped, everything)
+    assert sentences_differing_from_greedy(model, everything, kwargs, input_ids=ids, attention_mask=mask,
+                                           max_new_tokens=20) >= 1
     full = ids.shape[0] * kwargs["num_beams"]
     assert rows[0] == ids.shape[0]  # the first step: one row per sentence (all its beams hold the start token)
     assert rows[1] == full and min(rows[1:]) < full  # then every beam, and fewer as sentences finished
