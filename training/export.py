@@ -404,8 +404,8 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, token: str | None = 
         The commit's URL.
 
     Raises:
-        RuntimeError: HF_HUB_OFFLINE is set (nothing can be uploaded).
-        huggingface_hub errors (e.g. `HfHubHTTPError`) for refusals of the server.
+        RuntimeError: HF_HUB_OFFLINE is set (nothing can be uploaded), or the push failed midway (a refusal of the
+            server, a broken connection): naming the cause and saying that `folder` is unchanged for a retry.
     """
     from huggingface_hub import HfApi
     from huggingface_hub.errors import OfflineModeIsEnabled
@@ -418,6 +418,18 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, token: str | None = 
     except OfflineModeIsEnabled as error:
         raise RuntimeError(f"HF_HUB_OFFLINE is set, so nothing was uploaded; unset it and push again ({folder} "
                            f"is ready).") from error
+    except Exception as error:  # huggingface_hub wraps a failed LFS upload, losing its cause from the message
+        causes, cause = [], error
+        while cause is not None:
+            if (text := str(cause).strip()) and not any(text in earlier for earlier in causes):
+                causes.append(text)
+            cause = cause.__cause__
+        retry = f"hf upload {repo_id} {folder}"
+        if api.endpoint.rstrip("/") != "https://huggingface.co":
+            retry = f"HF_ENDPOINT={api.endpoint} {retry}"
+        raise RuntimeError(f"uploading {folder} to {repo_id} ({api.endpoint}) failed: {' <- '.join(causes)}\nThe "
+                           f"push did not complete; {folder} is complete and unchanged: push it again to retry "
+                           f"(`{retry}`).") from error
     logger.info("Uploaded %s to %s: %s", folder, repo.repo_id, commit.commit_url)
     return commit.commit_url
 
