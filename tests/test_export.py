@@ -1,9 +1,10 @@
 """The Hub export (training/export.py, model_card.md) and publishing: the folder holds exactly the Hub files, loads as
 remote code where vaswani_hf cannot be imported and translates as the original; uploads (from training with
---push_to_hub, and from `vaswani-export --push_to_hub`) go to a stand-in for the Hub API on 127.0.0.1 that records
-them (the real Hub is never contacted)."""
+--push_to_hub, and from `vaswani-export --push_to_hub`) go to a stand-in for the Hub on 127.0.0.1 that keeps the
+Hub's rules (tests/hub_standin.py: weights through LFS, existing repositories, pull requests, private repositories,
+failures midway, downloads by repo id); the real Hub is never contacted."""
 
-import base64
+import hashlib
 import json
 import os
 import re
@@ -12,13 +13,12 @@ import stat
 import subprocess
 import sys
 import textwrap
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from hub_standin import StandInHub
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -32,70 +32,6 @@ HUB_FILES = {"README.md", "config.json", "generation_config.json", "model.safete
 SENTENCES = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee vor einem Haus."]
 
 
-class StandInHub:
-    """The four endpoints `HfApi.create_repo` and `HfApi.upload_folder` call (huggingface_hub 1.x/2.x): create repo,
-    validate the README's YAML, preupload (every file answered "regular", so contents travel in the commit itself) and
-    commit (NDJSON). Every request is recorded; any other one is answered 404 and recorded as unexpected."""
-
-    def __init__(self):
-        self.requests, self.repos, self.commits = [], [], []
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, status, payload):
-                body = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                hub.requests.append(("GET", self.path, None))
-                self.reply(404, {"error": "not in the stand-in"})
-
-            def do_POST(self):
-                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                hub.requests.append(("POST", self.path, self.headers.get("Authorization")))
-                path = self.path.split("?")[0]
-                if path == "/api/repos/create":
-                    body = json.loads(raw)
-                    hub.repos.append(body)
-                    return self.reply(200, {"url": f"{hub.url}/{body['organization']}/{body['name']}"})
-                if path == "/api/validate-yaml":
-                    content = json.loads(raw)["content"]
-                    try:
-                        yaml.safe_load(content.split("---")[1])
-                    except yaml.YAMLError as error:
-                        return self.reply(400, {"errors": [{"message": str(error)}]})
-                    return self.reply(200, {"errors": [], "warnings": []})
-                if match := re.fullmatch(r"/api/models/(.+)/preupload/([^/]+)", path):
-                    files = json.loads(raw)["files"]
-                    return self.reply(200, {"files": [{"path": f["path"], "uploadMode": "regular",
-                                                       "shouldIgnore": False} for f in files]})
-                if match := re.fullmatch(r"/api/models/(.+)/commit/([^/]+)", path):
-                    lines = [json.loads(line) for line in raw.decode().splitlines() if line]
-                    files = {item["value"]["path"]: base64.b64decode(item["value"]["content"])
-                             for item in lines if item["key"] == "file"}
-                    header = next(item["value"] for item in lines if item["key"] == "header")
-                    hub.commits.append({"repo_id": match.group(1), "revision": match.group(2),
-                                        "message": header["summary"], "files": files})
-                    return self.reply(200, {"commitUrl": f"{hub.url}/{match.group(1)}/commit/c0ffee",
-                                            "commitOid": "c0ffee", "pullRequestUrl": None})
-                self.reply(404, {"error": "not in the stand-in"})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture(scope="module")
 def hub():
     import huggingface_hub.constants
@@ -103,6 +39,8 @@ def hub():
     server = StandInHub()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # CI sets HF_HUB_OFFLINE=1
+        # The stand-in serves LFS, not hf_xet's storage protocol: uploads take huggingface_hub's path without hf_xet.
+        patch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
         patch.setenv("NO_PROXY", "127.0.0.1")
         patch.setenv("HF_ENDPOINT", server.url)
         yield server
@@ -256,6 +194,60 @@ def test_export_loads_as_remote_code_and_translates_as_the_original(exported, tr
     assert printed == str(tokenizer.batch_decode(example_ids, skip_special_tokens=True))
 
 
+# Loads by repo id through the stand-in, with vaswani_hf made unimportable as above and an empty cache.
+REMOTE_REPO_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+
+    sys.modules["vaswani_hf"] = None
+    repo, sentences = sys.argv[1], json.loads(sys.argv[2])
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(repo)
+    batch = tokenizer(sentences, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        ids = model.generate(**batch, max_new_tokens=batch["input_ids"].shape[1] + 50)
+    print("RESULT=" + json.dumps({"ids": ids.tolist(), "class": type(model).__module__ + "." + type(model).__name__,
+                                  "vaswani_hf": sorted(m for m in sys.modules if m.startswith("vaswani_hf")
+                                                       and sys.modules[m])}))
+    """
+)
+
+
+def test_remote_code_loads_by_repo_id_through_the_hub(trained, hub, tmp_path):
+    from transformers import AutoTokenizer
+
+    from vaswani_hf import VaswaniForConditionalGeneration
+
+    repo_id = "someone/vaswani-tiny"  # pushed by the training run
+    original = VaswaniForConditionalGeneration.from_pretrained(trained).eval()
+    batch = AutoTokenizer.from_pretrained(trained)(SENTENCES, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = original.generate(**batch, max_new_tokens=batch["input_ids"].shape[1] + 50)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "hub_cache"), HF_HOME=str(tmp_path / "hf_home"),
+               HF_HUB_OFFLINE="0", OMP_NUM_THREADS="1")
+    start = len(hub.requests)
+    completed = subprocess.run(
+        [sys.executable, "-I", "-c", REMOTE_REPO_SCRIPT, repo_id, json.dumps(SENTENCES)], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(completed.stdout.split("RESULT=")[-1])
+    assert result["vaswani_hf"] == [] and result["class"].startswith("transformers_modules.")
+    assert result["class"].endswith("modeling_vaswani.VaswaniForConditionalGeneration")
+    assert result["ids"] == expected.tolist()
+    served = [(server, method, path) for server, method, path, _ in hub.requests[start:]]
+    head = hub.repos[repo_id].refs["main"]
+    resolved = {path.rsplit("/", 1)[1] for server, _, path in served
+                if server == "hub" and re.fullmatch(rf"/{repo_id}/resolve/(main|{head})/[^/]+", path)}
+    assert {"config.json", "model.safetensors", "tokenizer.json", *EXPORTED_CODE} <= resolved
+    assert ("storage", "GET", f"/{sha256(trained / 'hub' / 'model.safetensors')}") in served, "weights from storage"
+    assert not hub.unexpected
+
+
 def test_translation_pipeline_with_vaswani_hf_imported(exported):
     """In a process that imported vaswani_hf (which registers the task transformers 5 removed)."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
@@ -271,15 +263,40 @@ def test_translation_pipeline_with_vaswani_hf_imported(exported):
         ids[0], skip_special_tokens=True).strip()
 
 
-def test_training_push_uploads_the_exported_folder(trained, hub):
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def hub_tree(folder: Path) -> dict[str, bytes]:
+    """What a repository holds after `folder` is pushed to it: its files and the Hub's initial .gitattributes."""
+    from hub_standin import GITATTRIBUTES
+
+    return {".gitattributes": GITATTRIBUTES, **{p.name: p.read_bytes() for p in folder.iterdir()}}
+
+
+def test_training_push_uploads_the_weights_through_lfs(trained, hub):
     folder = trained / "hub"
     assert {p.name for p in folder.iterdir()} == HUB_FILES
-    assert {"name": "vaswani-tiny", "organization": "someone"}.items() <= hub.repos[0].items()
-    commit = next(c for c in hub.commits if c["repo_id"] == "someone/vaswani-tiny")
-    assert commit["revision"] == "main"
+    assert {"name": "vaswani-tiny", "organization": "someone"}.items() <= hub.created[0].items()
+    assert hub.repos["someone/vaswani-tiny"].private is False
+    (commit,) = [c for c in hub.commits if c["repo_id"] == "someone/vaswani-tiny"]
+    assert commit["revision"] == "main" and commit["pr"] is None
     assert commit["files"] == {p.name: p.read_bytes() for p in folder.iterdir()}
-    assert ("POST", "/api/validate-yaml", "Bearer hf_stand_in_token") in hub.requests
-    assert not [r for r in hub.requests if r[0] != "POST"], "only the four stand-in endpoints were called"
+    assert commit["lfs"] == {"model.safetensors"}, "the weights travel as an LFS pointer, not inside the commit"
+    assert hub.tree("someone/vaswani-tiny") == hub_tree(folder)
+    oid = sha256(folder / "model.safetensors")
+    assert hashlib.sha256(hub.objects[oid]).hexdigest() == oid
+    push = hub.requests[:next(i for i, r in enumerate(hub.requests) if "/commit/" in r[2]) + 1]
+    steps = [(server, method, path.split("?")[0]) for server, method, path, _ in push]
+    assert steps.index(("hub", "POST", "/api/validate-yaml")) < steps.index(
+        ("hub", "POST", "/api/models/someone/vaswani-tiny/preupload/main")), "the card's YAML checked first"
+    assert [step for step in steps if step[2] != "/api/validate-yaml"] == [
+        ("hub", "POST", "/api/repos/create"), ("hub", "POST", "/api/models/someone/vaswani-tiny/preupload/main"),
+        ("hub", "POST", "/someone/vaswani-tiny.git/info/lfs/objects/batch"), ("storage", "PUT", f"/upload/{oid}"),
+        ("hub", "POST", "/someone/vaswani-tiny.git/info/lfs/objects/verify"),
+        ("hub", "POST", "/api/models/someone/vaswani-tiny/commit/main")]
+    assert {auth for server, _, _, auth in push if server == "hub"} == {"Bearer hf_stand_in_token"}
+    assert [auth for server, _, _, auth in push if server == "storage"] == [None], "no token sent to the storage"
     readme = commit["files"]["README.md"].decode()
     assert front_matter(readme)["model-index"][0]["results"][0]["metrics"][0]["value"] == json.loads(
         (trained / "metrics.json").read_text())["test_bleu"]
@@ -292,9 +309,92 @@ def test_export_command_pushes_to_the_given_endpoint(exported, trained, tmp_path
                         "--hub_model_id", "another/name", "--hub_endpoint", hub.url, "--hub_token", "hf_x"]) == 0
     commit = hub.commits[-1]
     assert commit["repo_id"] == "another/name" and set(commit["files"]) == HUB_FILES
-    assert commit["files"]["model.safetensors"] == (exported / "model.safetensors").read_bytes()
-    assert hub.repos[-1]["name"] == "name" and hub.repos[-1]["organization"] == "another"
+    assert commit["lfs"] == {"model.safetensors"}
+    assert hub.tree("another/name") == hub_tree(folder)
+    assert sha256(exported / "model.safetensors") in hub.objects
+    assert hub.created[-1]["name"] == "name" and hub.created[-1]["organization"] == "another"
     assert 'repo = "another/name"' in commit["files"]["README.md"].decode()
+
+
+def test_pushing_to_an_existing_repository_sends_only_what_changed(exported, tmp_path, hub):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    repo_id, folder = "someone/existing", tmp_path / "folder"
+    shutil.copytree(exported, folder)
+    first = push_folder(folder, repo_id, token="hf_x")
+    created, commits = len(hub.created), len(hub.commits)
+    puts = sum(r[1] == "PUT" for r in hub.requests)
+    assert push_folder(folder, repo_id, token="hf_x") == first, "nothing changed: no commit, the head's URL"
+    assert len(hub.commits) == commits and len(hub.created) == created
+    with pytest.raises(HfHubHTTPError) as refused:
+        HfApi(endpoint=hub.url, token="hf_x").create_repo(repo_id, exist_ok=False)
+    assert refused.value.response.status_code == 409
+    readme = (folder / "README.md").read_text(encoding="utf-8")
+    (folder / "README.md").write_text(readme.replace("trained from scratch", "trained from nothing"), encoding="utf-8")
+    second = push_folder(folder, repo_id, token="hf_x")
+    assert second != first and hub.commits[-1]["files"].keys() == {"README.md"}, "unchanged files are not sent"
+    assert sum(r[1] == "PUT" for r in hub.requests) == puts, "the weights are not uploaded again"
+    assert hub.tree(repo_id) == hub_tree(folder)
+
+
+def test_a_pull_request_commits_to_its_own_ref(exported, tmp_path, hub):
+    from huggingface_hub import HfApi, hf_hub_download
+
+    repo_id, folder = "someone/reviewed", tmp_path / "folder"
+    shutil.copytree(exported, folder)
+    push_folder(folder, repo_id, token="hf_x")
+    (folder / "README.md").write_text("---\nlicense: mit\n---\nProposed card.\n", encoding="utf-8")
+    commit = HfApi(endpoint=hub.url, token="hf_x").upload_folder(repo_id=repo_id, folder_path=str(folder),
+                                                                 create_pr=True, commit_message="Propose a card")
+    assert commit.pr_url == f"{hub.url}/{repo_id}/discussions/1" and commit.pr_revision == "refs/pr/1"
+    assert hub.commits[-1]["revision"] == "refs/pr/1" and hub.commits[-1]["files"].keys() == {"README.md"}
+    assert hub.tree(repo_id)["README.md"] == (exported / "README.md").read_bytes(), "main is unchanged"
+    proposed = hf_hub_download(repo_id, "README.md", revision="refs/pr/1", endpoint=hub.url,
+                               cache_dir=tmp_path / "cache", token="hf_x")
+    assert Path(proposed).read_text(encoding="utf-8") == "---\nlicense: mit\n---\nProposed card.\n"
+
+
+def test_a_private_repository_answers_its_owner_only(exported, trained, tmp_path, hub):
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    assert export_main(["--model_dir", str(trained), "--output_dir", str(tmp_path / "private"), "--push_to_hub",
+                        "--hub_model_id", "someone/private", "--hub_private_repo", "--hub_token", "hf_owner"]) == 0
+    assert hub.created[-1]["visibility"] == "private" and hub.repos["someone/private"].private is True
+    for token in (False, "hf_someone_else"):
+        with pytest.raises(RepositoryNotFoundError):
+            hf_hub_download("someone/private", "config.json", endpoint=hub.url, cache_dir=tmp_path / "c", token=token)
+    weights = hf_hub_download("someone/private", "model.safetensors", endpoint=hub.url, cache_dir=tmp_path / "c",
+                              token="hf_owner")
+    assert sha256(Path(weights)) == sha256(exported / "model.safetensors")
+
+
+@pytest.mark.parametrize("step", ["lfs_put", "commit"])
+def test_a_push_that_fails_midway_says_so_and_keeps_the_folder(step, trained, tmp_path, hub, capsys, monkeypatch):
+    import huggingface_hub.utils._http
+
+    monkeypatch.setattr(huggingface_hub.utils._http.time, "sleep", lambda seconds: None)  # the client's backoff
+    repo_id, folder = f"someone/broken-{step.replace('_', '-')}", tmp_path / "export"
+    with hub.failing(step, 500), pytest.raises(SystemExit) as failed:
+        export_main(["--model_dir", str(trained), "--output_dir", str(folder), "--push_to_hub",
+                     "--hub_model_id", repo_id, "--hub_token", "hf_x"])
+    message = str(failed.value.code)
+    assert message.startswith(f"error: uploading {folder} to {repo_id}") and "500" in message, message
+    assert f"{folder} is complete and unchanged: push it again to retry (`HF_ENDPOINT={hub.url} hf upload {repo_id} " \
+           f"{folder}`)" in message, message
+    assert "Uploaded" not in capsys.readouterr().out
+    assert not [c for c in hub.commits if c["repo_id"] == repo_id]
+    assert set(hub.tree(repo_id)) == {".gitattributes"}, "nothing published"
+    assert {p.name for p in folder.iterdir()} == HUB_FILES
+    assert sha256(folder / "model.safetensors") == sha256(trained / "hub" / "model.safetensors")
+    posts = [r for r in hub.requests if r[2].startswith(f"/api/models/{repo_id}/commit/")]
+    assert len(posts) == (0 if step == "lfs_put" else 1), "no commit after a failed weights upload"
+    puts = sum(r[1] == "PUT" for r in hub.requests)
+    push_folder(folder, repo_id, token="hf_x")  # the retry
+    assert hub.tree(repo_id) == hub_tree(folder)
+    assert sum(r[1] == "PUT" for r in hub.requests) == puts + (1 if step == "lfs_put" else 0), (
+        "weights stored before the failed commit are not uploaded again")
 
 
 def test_export_errors_are_clear(trained, tmp_path, monkeypatch, tiny_model):
@@ -330,11 +430,25 @@ def test_no_trainer_loop_pushes_too(hub, tmp_path):
     out = tmp_path / "run"
     main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), "--max_steps", "1",
           "--max_train_samples", "100", "--max_test_samples", "2", "--num_samples", "0", "--cpu_bf16", "no",
-          "--push_to_hub", "--hub_model_id", "someone/no-trainer"])
+          "--push_to_hub", "--hub_model_id", "someone/no-trainer", "--hub_token", "hf_x"])
     commit = hub.commits[-1]
     assert commit["repo_id"] == "someone/no-trainer"
     assert commit["files"] == {p.name: p.read_bytes() for p in (out / "hub").iterdir()}
     assert set(commit["files"]) == HUB_FILES
+
+
+def test_a_training_run_whose_push_fails_says_so_and_keeps_its_model(hub, tmp_path):
+    from vaswani_training.train_no_trainer import main
+
+    out = tmp_path / "run"
+    with hub.failing("commit", 500), pytest.raises(RuntimeError, match=re.escape(
+            f"uploading {out / 'hub'} to someone/no-commit ({hub.url}) failed: ")) as failed:
+        main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), "--max_steps",
+              "1", "--max_train_samples", "100", "--max_test_samples", "2", "--num_samples", "0", "--cpu_bf16", "no",
+              "--push_to_hub", "--hub_model_id", "someone/no-commit", "--hub_token", "hf_x"])
+    assert "stand-in fault: commit answers 500" in str(failed.value)
+    assert set(hub.tree("someone/no-commit")) == {".gitattributes"}
+    assert {p.name for p in (out / "hub").iterdir()} == HUB_FILES and (out / "metrics.json").is_file()
 
 
 # The card tells the model's history; the export never pairs weights with another model's scores ------------------
