@@ -264,6 +264,8 @@ def test_onnx_exported_greedy_and_beam_loops_give_generates_tokens(copy_generati
     model, ids, mask, greedy, beam, tokens = copy_generation
     paths = onnx_export_generation(model, tmp_path)
     assert [p.name for p in paths] == ["encoder.onnx", "decoder_step.onnx"]
+    # the two graphs and their external weights ("<name>.data"), moved in from a staging folder that is gone
+    assert {p.name.removesuffix(".data") for p in tmp_path.iterdir()} == {"decoder_step.onnx", "encoder.onnx"}
     encode, step = onnx_generation_functions(*paths)
     assert torch.equal(greedy_search(encode, step, ids, mask, **tokens), greedy)
     assert torch.equal(beam_search(encode, step, ids, mask, num_beams=4, length_penalty=0.6, **tokens), beam)
@@ -299,6 +301,23 @@ def test_broken_caches_miss_generates_tokens(copy_generation):
     wrong = sum(a != b for a, b in zip(_sentences(beam_search(encoder, unreordered, ids, mask, **tokens)),
                                        _sentences(beam), strict=True))
     assert wrong >= 4, f"beam search without the cache reorder still gave generate()'s tokens on {48 - wrong} of 48"
+
+
+def test_exported_step_reaches_max_length_past_the_position_table():
+    from vaswani_hf.export_generation import greedy_search, torch_export_generation
+
+    model = make_tiny_model(seed=1, max_position_embeddings=8)  # sinusoidal: the table grows to max_length first
+    encoder, step = (program.module() for program in torch_export_generation(model, max_length=20,
+                                                                             max_source_length=9))
+    ids, mask = padded_batch(seed=2, batch=3, length=9)
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, do_sample=False, max_length=20)
+    assert expected.shape[1] == 20  # past the 8 positions the model was built with
+    assert torch.equal(greedy_search(encoder, step, ids, mask, max_length=20, decoder_start_token_id=1,
+                                     eos_token_id=2, pad_token_id=0), expected)
+    learned = make_tiny_model(position_embedding_type="learned", max_position_embeddings=8)
+    with pytest.raises(ValueError, match="longer than max_position_embeddings=8"):
+        torch_export_generation(learned, max_length=20)
 
 
 def test_exporting_generation_refuses_a_model_in_training_mode():

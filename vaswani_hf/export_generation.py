@@ -28,6 +28,9 @@ tokens = beam_search(encoder.module(), step.module(), input_ids, attention_mask,
 """
 
 import contextlib
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -157,11 +160,13 @@ def _sizes_zero_or_one_stay_dynamic():
         yield
 
 
-def _examples(model: nn.Module, max_length: int | None) -> tuple:
-    """Example inputs and dynamic shapes of both modules; the decoder's position table reserved for `max_length`."""
+def _examples(model: nn.Module, max_length: int | None, max_source_length: int | None) -> tuple:
+    """Example inputs and dynamic shapes of both modules; the position tables reserved for the lengths asked for."""
     config, base = model.config, model.model
     if max_length is not None:
         base.decoder.embed_positions.reserve(max_length)
+    if max_source_length is not None:
+        base.encoder.embed_positions.reserve(max_source_length)
     target_positions = base.decoder.embed_positions.weight.shape[0]
     source_positions = base.encoder.embed_positions.weight.shape[0]
     batch, source, past = 2, 5, 3
@@ -181,54 +186,66 @@ def _examples(model: nn.Module, max_length: int | None) -> tuple:
     return (input_ids, attention_mask), encoder_shapes, step_inputs, step_shapes
 
 
-def torch_export_generation(model: nn.Module, max_length: int | None = None, strict: bool = False) -> tuple:
+def torch_export_generation(model: nn.Module, max_length: int | None = None, max_source_length: int | None = None,
+                            strict: bool = False) -> tuple:
     """`torch.export` of `VaswaniExportableEncoder` and `VaswaniExportableDecoderStep` with dynamic batch (1 to
     4096), source length (1 to the encoder's position table) and cache length (0 to the decoder's table minus one).
 
     Args:
         model: a `VaswaniForConditionalGeneration` in eval mode.
-        max_length: target positions the step must reach (with the start token); sinusoidal position tables grow to
-            it before export (`None`: the table as it is, `config.max_position_embeddings` positions by default).
+        max_length: target positions the step must reach (with the start token); a sinusoidal position table grows
+            to it before export (`None`: the table as it is, `config.max_position_embeddings` positions by default).
+        max_source_length: the same for the encoder's source positions.
         strict: `torch.export.export`'s `strict`.
     Returns:
         `(encoder, step)`, two `torch.export.ExportedProgram`s; call `.module()` of each.
     Raises:
-        ValueError: the model is in training mode; `max_length` beyond learned positions.
+        ValueError: the model is in training mode; `max_length` or `max_source_length` beyond learned positions.
         RuntimeError: torch too old to keep sizes 0 and 1 dynamic in an export.
     """
     encoder, step = VaswaniExportableEncoder(model), VaswaniExportableDecoderStep(model)
-    encoder_inputs, encoder_shapes, step_inputs, step_shapes = _examples(model, max_length)
+    encoder_inputs, encoder_shapes, step_inputs, step_shapes = _examples(model, max_length, max_source_length)
     with _sizes_zero_or_one_stay_dynamic():
         return (torch.export.export(encoder, encoder_inputs, dynamic_shapes=encoder_shapes, strict=strict),
                 torch.export.export(step, step_inputs, dynamic_shapes=step_shapes, strict=strict))
 
 
-def onnx_export_generation(model: nn.Module, folder: str | Path, max_length: int | None = None) -> tuple[Path, Path]:
+def onnx_export_generation(model: nn.Module, folder: str | Path, max_length: int | None = None,
+                           max_source_length: int | None = None) -> tuple[Path, Path]:
     """The two modules as ONNX files through `torch.onnx.export(..., dynamo=True)` (needs onnxscript), with the
     dynamic sizes of `torch_export_generation` and the input and output names `ENCODER_INPUTS`, `ENCODER_OUTPUTS`,
     `STEP_INPUTS`, `STEP_OUTPUTS`.
 
     Args:
         model: a `VaswaniForConditionalGeneration` in eval mode.
-        folder: created if missing; gets `encoder.onnx` and `decoder_step.onnx`.
-        max_length: as in `torch_export_generation`.
+        folder: created if missing; gets `encoder.onnx` and `decoder_step.onnx` (and any external-data files ONNX
+            writes beside them), each written in a temporary folder inside and moved in complete, so a failed or
+            killed export leaves no partial file under those names.
+        max_length, max_source_length: as in `torch_export_generation`.
     Returns:
         the paths of `encoder.onnx` and `decoder_step.onnx`.
     Raises:
-        ValueError: the model is in training mode; `max_length` beyond learned positions.
+        ValueError: the model is in training mode; `max_length` or `max_source_length` beyond learned positions.
         RuntimeError: torch too old to keep sizes 0 and 1 dynamic in an export.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     encoder, step = VaswaniExportableEncoder(model), VaswaniExportableDecoderStep(model)
-    encoder_inputs, encoder_shapes, step_inputs, step_shapes = _examples(model, max_length)
-    paths = folder / "encoder.onnx", folder / "decoder_step.onnx"
-    with _sizes_zero_or_one_stay_dynamic():
-        torch.onnx.export(encoder, encoder_inputs, str(paths[0]), dynamo=True, dynamic_shapes=encoder_shapes,
-                          input_names=list(ENCODER_INPUTS), output_names=list(ENCODER_OUTPUTS), verbose=False)
-        torch.onnx.export(step, step_inputs, str(paths[1]), dynamo=True, dynamic_shapes=step_shapes,
-                          input_names=list(STEP_INPUTS), output_names=list(STEP_OUTPUTS), verbose=False)
-    return paths
+    encoder_inputs, encoder_shapes, step_inputs, step_shapes = _examples(model, max_length, max_source_length)
+    staging = Path(tempfile.mkdtemp(prefix=".onnx-export-", dir=folder))
+    try:
+        with _sizes_zero_or_one_stay_dynamic():
+            torch.onnx.export(encoder, encoder_inputs, str(staging / "encoder.onnx"), dynamo=True,
+                              dynamic_shapes=encoder_shapes, input_names=list(ENCODER_INPUTS),
+                              output_names=list(ENCODER_OUTPUTS), verbose=False)
+            torch.onnx.export(step, step_inputs, str(staging / "decoder_step.onnx"), dynamo=True,
+                              dynamic_shapes=step_shapes, input_names=list(STEP_INPUTS),
+                              output_names=list(STEP_OUTPUTS), verbose=False)
+        for written in sorted(staging.iterdir()):
+            os.replace(written, folder / written.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder / "encoder.onnx", folder / "decoder_step.onnx"
 
 
 def onnx_generation_functions(encoder_path: str | Path, step_path: str | Path,
