@@ -134,9 +134,9 @@ def cpu_training_matmul() -> str:
     """Which library multiplies the fp32 linears of CPU training steps: "onednn" or "blas" (torch's default, MKL on
     x86 builds).
 
-    MKL runs its AVX2 code on non-Intel CPUs, so on CPUs whose AVX-512 units are full width (AMD Zen 5) oneDNN's
-    AVX-512 code multiplies about twice as fast at base-model shapes; on Intel CPUs and on AVX2 CPUs the two are
-    within about 10 % of each other (benchmarks/benchmark.py reports both). So this is decided by measuring, once
+    MKL runs its AVX2 code on non-Intel CPUs, so where AVX-512 units are full width oneDNN's AVX-512 code can multiply
+    much faster at base-model shapes; elsewhere the two are close (benchmarks/benchmark.py reports both peaks).
+    So this is decided by measuring, once
     per process: the three products of a linear's training step (forward x W^T, input gradient g W, weight
     gradient g^T x; 512 rows, 512 -> 1024 features) with both, best of 5 each (about 0.1 s); oneDNN is chosen only
     when it takes at most 1/1.3 of BLAS's time, so noise cannot flip the choice where the two are close. The
@@ -254,8 +254,7 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     on a CPU for a plain `nn.Linear` (`is_plain_linear`):
 
     - Training: an fp32 training-mode forward with autograd on a CPU, without autocast, multiplies with oneDNN, forward
-      and backward, where `cpu_training_matmul()` found oneDNN much faster than torch's BLAS on this CPU (about 2x on
-      AMD Zen 5).
+      and backward, where `cpu_training_matmul()` found oneDNN much faster than torch's BLAS on this CPU.
     - Inference: while `module.packed_weight` holds the weight in oneDNN's blocked layout (`generate()` packs it for
       the duration of the call: `VaswaniGenerationMixin.cpu_packed_linears`), an fp32 forward on a CPU without
       autograd and without autocast multiplies with oneDNN: for the few rows of a decoding step, prepacked weights
