@@ -1,109 +1,17 @@
-"""Shared fixtures: a tiny VaswaniConfig/model and a tiny joint BPE trained on the fly (no network, no files).
+"""Fixtures and pytest hooks. What test modules import (the tiny model, sentences, the commands in-process) is in
+`helpers.py`."""
 
-`make_tiny_config(**overrides)` is importable (`from conftest import make_tiny_config`) for parametrized variants.
-"""
-
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ENGLISH, GERMAN, PLANTED_TOKEN, save_model_folder, train_cli
 
-from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, train_joint_bpe
+from vaswani_hf import train_joint_bpe
 
 # The tiny models are far too small to gain from intra-op threads, and on a shared machine with few cores the
 # threads' spinning makes each forward ~100x slower.
 torch.set_num_threads(1)
-
-TINY = dict(
-    vocab_size=99,
-    d_model=32,
-    encoder_layers=2,
-    decoder_layers=2,
-    num_heads=4,
-    d_ff=37,
-    max_position_embeddings=64,
-)
-
-GERMAN = [
-    "Ein Mann fährt mit dem Fahrrad durch die Stadt.",
-    "Zwei Hunde spielen im Schnee.",
-    "Eine Frau liest ein Buch im Park.",
-    "Kinder spielen Fußball auf einer Wiese.",
-    "Ein Mädchen trinkt Wasser aus einer Flasche.",
-    "Der Koch schneidet Gemüse in der Küche.",
-    "Ein älterer Mann sitzt auf einer Bank.",
-    "Eine Gruppe von Menschen wartet auf den Bus.",
-    "Ein Junge springt in einen See.",
-    "Zwei Frauen unterhalten sich vor einem Café.",
-    "Ein Hund läuft am Strand entlang.",
-    "Ein Musiker spielt Gitarre auf der Straße.",
-    "Die Sonne scheint über den Bergen.",
-    "Ein Arbeiter repariert das Dach eines Hauses.",
-    "Ein Baby schläft in seinem Bett.",
-    "Viele Menschen gehen über den Markt.",
-    "Ein Mann in einem roten Hemd klettert einen Felsen hinauf.",
-    "Eine Katze sitzt auf dem Fenster.",
-    "Zwei Männer tragen eine schwere Kiste.",
-    "Ein Mädchen malt ein Bild mit bunten Farben.",
-]
-ENGLISH = [
-    "A man rides his bike through the city.",
-    "Two dogs are playing in the snow.",
-    "A woman reads a book in the park.",
-    "Children play soccer on a meadow.",
-    "A girl drinks water from a bottle.",
-    "The cook cuts vegetables in the kitchen.",
-    "An older man sits on a bench.",
-    "A group of people waits for the bus.",
-    "A boy jumps into a lake.",
-    "Two women talk in front of a café.",
-    "A dog runs along the beach.",
-    "A musician plays guitar on the street.",
-    "The sun shines over the mountains.",
-    "A worker repairs the roof of a house.",
-    "A baby sleeps in its bed.",
-    "Many people walk across the market.",
-    "A man in a red shirt climbs up a rock.",
-    "A cat sits on the window.",
-    "Two men carry a heavy box.",
-    "A girl paints a picture with bright colors.",
-]
-
-
-def make_tiny_config(**overrides) -> VaswaniConfig:
-    """The tiny test configuration (vocab 99, d_model 32, 2+2 layers, 4 heads, d_ff 37), with `overrides`."""
-    return VaswaniConfig(**{**TINY, **overrides})
-
-
-def make_tiny_model(seed: int = 0, **overrides) -> VaswaniForConditionalGeneration:
-    """A freshly initialized tiny model in eval mode; the same `seed` gives the same weights."""
-    torch.manual_seed(seed)
-    return VaswaniForConditionalGeneration(make_tiny_config(**overrides)).eval()
-
-
-def padded_batch(seed: int = 0, batch: int = 3, length: int = 9, vocab: int = 99):
-    """Source ids `(batch, length)` ending in </s> (id 2), row i right-padded (id 0) by 2 * i positions; the mask."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, vocab, (batch, length), generator=generator)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for row in range(batch):
-        n = length - 2 * row
-        ids[row, n - 1] = 2
-        ids[row, n:] = 0
-        mask[row, n:] = 0
-    return ids, mask
-
-
-@pytest.fixture
-def tiny_config() -> VaswaniConfig:
-    return make_tiny_config()
-
-
-@pytest.fixture
-def tiny_model() -> VaswaniForConditionalGeneration:
-    return make_tiny_model()
 
 
 @pytest.fixture(scope="session")
@@ -113,9 +21,31 @@ def parallel_text() -> tuple[list[str], list[str]]:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(parallel_text):
-    """A joint BPE learned from the 20 German and 20 English sentences above (a few hundred tokens)."""
+    """A joint BPE learned from the 20 German and 20 English sentences of `helpers` (a few hundred tokens)."""
     german, english = parallel_text
     return train_joint_bpe([german, english], vocab_size=420, min_frequency=1)
+
+
+@pytest.fixture
+def model_folder(tmp_path, tiny_tokenizer):
+    """A complete saved tiny model with its tokenizer (`helpers.save_model_folder`), in this test's own folder."""
+    return save_model_folder(tmp_path / "model", tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def train_cache(tmp_path_factory):
+    """The `--cache_dir` the tiny runs share (their joint BPE is learned once)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, train_cache):
+    """A tiny run (`helpers.train_cli`) with the dashed `--max-steps 3`, a checkpoint every step, averaging of the last
+    2, and a planted Hub token (no push): its folder and metrics. Tests copy the folder before they change it."""
+    out = tmp_path_factory.mktemp("run")
+    metrics = train_cli(out, train_cache, "--max-steps", "3", "--save_steps", "1", "--average_last", "2",
+                        "--hub_token", PLANTED_TOKEN)
+    return out, metrics
 
 
 def pytest_configure(config):
@@ -222,23 +152,3 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"transformers' common tests ({TRANSFORMERS_TESTS[:-2]}): {counts}")
     if _too_few_transformers_tests():
         terminalreporter.write_line(f"FAILED: {_too_few_transformers_tests()}", red=True, bold=True)
-
-
-def exits_with(call, *patterns) -> str:
-    """Run a command's main(); it must stop with SystemExit whose message matches every regex pattern. Returns the
-    message."""
-    import re
-
-    with pytest.raises(SystemExit) as error:
-        call()
-    message = str(error.value.code)
-    for pattern in patterns:
-        assert re.search(pattern, message), f"{pattern!r} not in {message!r}"
-    return message
-
-
-def write_jsonl(path: Path, pairs) -> str:
-    """Write (German, English) `pairs` as JSON lines of {"translation": {"de": ..., "en": ...}}; returns the path."""
-    path.write_text("".join(json.dumps({"translation": {"de": de, "en": en}}, ensure_ascii=False) + "\n"
-                            for de, en in pairs), encoding="utf-8")
-    return str(path)

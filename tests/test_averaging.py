@@ -8,18 +8,16 @@ import stat
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from helpers import ROOT, tiny_model
 from safetensors.torch import load_file
 
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.averaging import average_checkpoints, average_last_checkpoints, find_checkpoints
 from vaswani_training.average_checkpoints import main as average_main
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = (200, 900, 1000, 10000)  # a plain string sort would put 10000 before 200 and 900
 
 
@@ -34,7 +32,7 @@ def run_dir(tmp_path, tiny_tokenizer):
     optimizer state and trainer_state.json beside the model."""
     run = tmp_path / "run"
     for seed, step in enumerate(STEPS):
-        folder = _save(make_tiny_model(seed=seed), run / f"checkpoint-{step}")
+        folder = _save(tiny_model(seed=seed), run / f"checkpoint-{step}")
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
         (folder / "optimizer.pt").write_bytes(b"not a tensor file")
     tiny_tokenizer.save_pretrained(run / "checkpoint-10000")
@@ -66,7 +64,7 @@ def test_average_is_the_exact_parameter_wise_mean(run_dir):
 def test_hand_computed_values(tmp_path):
     folders = []
     for i, value in enumerate((1.0, 2.0, 6.0)):
-        model = make_tiny_model(seed=0)
+        model = tiny_model(seed=0)
         with torch.no_grad():
             model.model.encoder.layers[0].fc1.bias.fill_(value)
             model.model.shared.weight[5, 0] = -value
@@ -98,8 +96,8 @@ def test_last_n_written_as_a_model_folder_with_tied_weights(run_dir, tmp_path):
 
 
 def test_refuses_checkpoints_of_different_models(tmp_path):
-    a = _save(make_tiny_model(seed=0), tmp_path / "checkpoint-1")
-    b = _save(make_tiny_model(seed=0, d_ff=41), tmp_path / "checkpoint-2")
+    a = _save(tiny_model(seed=0), tmp_path / "checkpoint-1")
+    b = _save(tiny_model(seed=0, d_ff=41), tmp_path / "checkpoint-2")
     with pytest.raises(ValueError) as error:
         average_checkpoints([a, b])
     message = str(error.value)
@@ -115,7 +113,7 @@ def test_too_few_checkpoints(run_dir, tmp_path):
 
 def test_reads_safetensors_only(tmp_path):
     folder = tmp_path / "checkpoint-1"
-    _save(make_tiny_model(), folder)
+    _save(tiny_model(), folder)
     (folder / "model.safetensors").unlink()
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 a pickle would run code")
     with pytest.raises(FileNotFoundError, match="safetensors only.*pytorch_model.bin"):

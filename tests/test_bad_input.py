@@ -11,11 +11,20 @@ learned positions in `forward` (tests/test_modeling.py), tokenizer training inpu
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGLISH, GERMAN, exits_with, make_tiny_model
+from helpers import (
+    ENGLISH,
+    GERMAN,
+    evaluate_cli,
+    exits_with,
+    tiny_model,
+    train_cli,
+    translate_cli,
+    write,
+    write_parallel,
+)
 from transformers import AutoModelForSeq2SeqLM, BartConfig, BartForConditionalGeneration, MarianConfig, MarianMTModel
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration
@@ -23,56 +32,18 @@ from vaswani_hf.data import DataError
 from vaswani_hf.inference import translate_sentences
 
 
-def write(path: Path, data) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(data, bytes):
-        path.write_bytes(data)
-    else:
-        path.write_text(data, encoding="utf-8")
-    return path
-
-
-def parallel(folder: Path, german=GERMAN, english=ENGLISH, name="p") -> str:
-    write(folder / f"{name}.de", "\n".join(german) + "\n")
-    write(folder / f"{name}.en", "\n".join(english) + "\n")
-    return str(folder / name)
-
-
-def train(tmp_path, *args):
-    from vaswani_training.train import main
-
-    return main(["--preset", "tiny", "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"),
-                 "--max_steps", "1", "--eval_strategy", "no", *args])
-
-
-@pytest.fixture
-def model_folder(tmp_path, tiny_tokenizer):
-    """A complete saved tiny model with its tokenizer."""
-    folder = tmp_path / "model"
-    make_tiny_model(vocab_size=len(tiny_tokenizer)).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
-
-
-def translate_cli(*args):
-    from vaswani_training.translate import main
-
-    return main(list(map(str, args)))
-
-
-def evaluate_cli(*args):
-    from vaswani_training.evaluate_bleu import main
-
-    return main(list(map(str, args)))
+def train_on(tmp_path, *args):
+    """One step of `vaswani-train` (`helpers.train_cli`) in `tmp_path`: the checks that refuse its input come first."""
+    return train_cli(tmp_path / "out", tmp_path / "cache", "--max_steps", "1", *args)
 
 
 # Parallel data through the train command ----------------------------------------------------------------------------
 
 
 def test_train_cli_mismatched_line_counts_names_both_files(tmp_path):
-    prefix = parallel(tmp_path / "data", english=ENGLISH[:-1])
+    prefix = write_parallel(tmp_path / "data", english=ENGLISH[:-1])
     with pytest.raises(DataError) as error:
-        train(tmp_path, "--train_file", prefix)
+        train_on(tmp_path, "--train_file", prefix)
     message = str(error.value)
     assert f"{prefix}.de has 20 lines but {prefix}.en has 19 lines" in message
     assert "aligned line by line" in message
@@ -80,49 +51,49 @@ def test_train_cli_mismatched_line_counts_names_both_files(tmp_path):
 
 def test_train_cli_missing_and_empty_files(tmp_path):
     with pytest.raises(DataError, match=r"no file for language 'de' at prefix .*nothing.* Check the prefix"):
-        train(tmp_path, "--train_file", str(tmp_path / "nothing"))
-    prefix = parallel(tmp_path / "data")
+        train_on(tmp_path, "--train_file", str(tmp_path / "nothing"))
+    prefix = write_parallel(tmp_path / "data")
     write(tmp_path / "data" / "p.en", "")
     with pytest.raises(DataError, match=re.escape(f"{prefix}.en: file is empty (0 lines)")):
-        train(tmp_path, "--train_file", prefix)
+        train_on(tmp_path, "--train_file", prefix)
     with pytest.raises(DataError, match="without --train_file"):
-        train(tmp_path, "--test_file", prefix)
+        train_on(tmp_path, "--test_file", prefix)
 
 
 def test_train_cli_non_utf8_names_file_and_line(tmp_path):
-    prefix = parallel(tmp_path / "data")
+    prefix = write_parallel(tmp_path / "data")
     lines = (tmp_path / "data" / "p.de").read_bytes().split(b"\n")
     lines[6] = "Ein älterer Mann".encode("latin-1")
     write(tmp_path / "data" / "p.de", b"\n".join(lines))
     with pytest.raises(DataError, match=re.escape(f"{prefix}.de:7: not valid UTF-8 (byte b'\\xe4'") + ".*iconv"):
-        train(tmp_path, "--train_file", prefix)
+        train_on(tmp_path, "--train_file", prefix)
 
 
 def test_train_cli_empty_lines_error_names_the_line_and_a_bad_policy_is_refused(tmp_path):
     english = list(ENGLISH)
     english[4] = "   "
-    prefix = parallel(tmp_path / "data", english=english)
+    prefix = write_parallel(tmp_path / "data", english=english)
     with pytest.raises(DataError, match=re.escape(f"{prefix}.en:5: empty sentence") + ".*empty_lines='skip'"):
-        train(tmp_path, "--train_file", prefix, "--empty_lines", "error")
+        train_on(tmp_path, "--train_file", prefix, "--empty_lines", "error")
     with pytest.raises(DataError, match=r"empty_lines='drop' is not one of \('skip', 'error', 'keep'\)"):
-        train(tmp_path, "--train_file", prefix, "--empty_lines", "drop")
+        train_on(tmp_path, "--train_file", prefix, "--empty_lines", "drop")
 
 
 def test_train_cli_unknown_language_codes(tmp_path):
     with pytest.raises(DataError, match="Multi30k task 1 has languages 'de' and 'en', not 'fr'"):
-        train(tmp_path, "--source_lang", "fr")
-    prefix = parallel(tmp_path / "data")
+        train_on(tmp_path, "--source_lang", "fr")
+    prefix = write_parallel(tmp_path / "data")
     with pytest.raises(DataError, match=r"no file for language 'cs' .*Languages present for this prefix: de, en"):
-        train(tmp_path, "--train_file", prefix, "--target_lang", "cs")
+        train_on(tmp_path, "--train_file", prefix, "--target_lang", "cs")
     with pytest.raises(DataError, match="source_lang and target_lang are both 'de'"):
-        train(tmp_path, "--train_file", prefix, "--target_lang", "de")
+        train_on(tmp_path, "--train_file", prefix, "--target_lang", "de")
 
 
 def test_train_cli_zero_samples_is_refused_not_read_as_all(tmp_path):
-    prefix = parallel(tmp_path / "data")
+    prefix = write_parallel(tmp_path / "data")
     for flag in ("--max_train_samples", "--max_test_samples", "--max_tokens", "--max_source_length"):
         with pytest.raises(DataError, match=f"{flag} must be >= 1 \\(leave the flag out for the default\\), got 0"):
-            train(tmp_path, "--train_file", prefix, "--test_file", prefix, flag, "0")
+            train_on(tmp_path, "--train_file", prefix, "--test_file", prefix, flag, "0")
     from vaswani_training.prepare import select
 
     with pytest.raises(DataError, match=r"take a number of examples >= 1 .*got 0"):  # the library function too
@@ -134,33 +105,33 @@ def test_train_cli_zero_samples_is_refused_not_read_as_all(tmp_path):
 
 def test_train_cli_tokenizer_of_another_size_than_the_model(tmp_path, model_folder, tiny_tokenizer):
     small = tmp_path / "small"
-    make_tiny_model().save_pretrained(small)  # vocabulary of 99, the tokenizer has 420
-    prefix = parallel(tmp_path / "data")
+    tiny_model().save_pretrained(small)  # vocabulary of 99, the tokenizer has 420
+    prefix = write_parallel(tmp_path / "data")
     with pytest.raises(ValueError, match=f"tokenizer has {len(tiny_tokenizer)} entries but the model's vocabulary "
                                          f"has 99; pass the tokenizer saved with the model"):
-        train(tmp_path, "--train_file", prefix, "--model_name_or_path", str(small),
+        train_on(tmp_path, "--train_file", prefix, "--model_name_or_path", str(small),
               "--tokenizer_name", str(model_folder))
 
 
 def test_translating_with_a_tokenizer_bigger_than_the_model(tiny_tokenizer):
-    model = make_tiny_model()  # 99 entries; the tokenizer's ids go up to 419
+    model = tiny_model()  # 99 entries; the tokenizer's ids go up to 419
     with pytest.raises(ValueError, match=r"input_ids holds token id \d+, outside this model's vocabulary of 99 "
                                          r"entries.*load the tokenizer saved with the model"):
         translate_sentences(model, tiny_tokenizer, GERMAN[:3], num_beams=1, max_new_tokens=3)
 
 
 def test_train_cli_impossible_config_sizes(tmp_path):
-    prefix = parallel(tmp_path / "data")
+    prefix = write_parallel(tmp_path / "data")
     with pytest.raises(ValueError, match=r"d_model \(30\) must be divisible by num_heads \(4\).*num_heads=3"):
-        train(tmp_path, "--train_file", prefix, "--config_overrides", "d_model=30,num_heads=4")
+        train_on(tmp_path, "--train_file", prefix, "--config_overrides", "d_model=30,num_heads=4")
     with pytest.raises(ValueError, match="d_ff must be a positive integer, got 0"):
-        train(tmp_path, "--train_file", prefix, "--config_overrides", "d_ff=0")
+        train_on(tmp_path, "--train_file", prefix, "--config_overrides", "d_ff=0")
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
-        train(tmp_path, "--train_file", prefix, "--config_overrides", "dropout=1.5")
+        train_on(tmp_path, "--train_file", prefix, "--config_overrides", "dropout=1.5")
 
 
 def test_a_saved_config_edited_to_impossible_sizes_is_refused_on_load(tmp_path):
-    make_tiny_model().save_pretrained(tmp_path)
+    tiny_model().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["num_heads"] = 0
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -176,8 +147,8 @@ def test_a_saved_config_edited_to_impossible_sizes_is_refused_on_load(tmp_path):
 def test_sinusoidal_positions_extrapolate_past_the_table(tiny_tokenizer):
     # The table holds 8 positions; the source has 30+ tokens and the output 12. The encodings are computed on the
     # fly, exactly as a model with a bigger table (the same weights: the table is not a parameter) has them.
-    short = make_tiny_model(seed=3, vocab_size=len(tiny_tokenizer), max_position_embeddings=8)
-    long = make_tiny_model(seed=3, vocab_size=len(tiny_tokenizer), max_position_embeddings=128)
+    short = tiny_model(seed=3, vocab_size=len(tiny_tokenizer), max_position_embeddings=8)
+    long = tiny_model(seed=3, vocab_size=len(tiny_tokenizer), max_position_embeddings=128)
     sentence = " ".join(GERMAN[:4])
     batch = tiny_tokenizer([sentence], return_tensors="pt")
     assert batch["input_ids"].shape[1] > 8 * 3
@@ -192,8 +163,8 @@ def test_sinusoidal_positions_extrapolate_past_the_table(tiny_tokenizer):
 
 
 def test_learned_positions_refuse_long_input_when_translating_and_training(tmp_path, tiny_tokenizer):
-    model = make_tiny_model(vocab_size=len(tiny_tokenizer), position_embedding_type="learned",
-                            max_position_embeddings=8)
+    model = tiny_model(vocab_size=len(tiny_tokenizer), position_embedding_type="learned",
+                       max_position_embeddings=8)
     with pytest.raises(ValueError, match=r"Sequence of \d+ tokens is longer than max_position_embeddings=8.*"
                                          r"Truncate the input"):
         translate_sentences(model, tiny_tokenizer, [" ".join(GERMAN[:2])], num_beams=1, max_new_tokens=3)
@@ -201,10 +172,10 @@ def test_learned_positions_refuse_long_input_when_translating_and_training(tmp_p
     with pytest.raises(ValueError, match=r"Sequence of 9 tokens is longer than max_position_embeddings=8"):
         model.generate(input_ids=torch.tensor([[5, 6, 2]]), num_beams=1, min_new_tokens=12, max_new_tokens=12)
     # The train command refuses before the first step.
-    prefix = parallel(tmp_path / "data")
+    prefix = write_parallel(tmp_path / "data")
     with pytest.raises(ValueError, match=r"learned positions for 16 tokens \(max_position_embeddings\), fewer than "
                                          r"--max_source_length 256, --max_target_length 256.*sinusoidal"):
-        train(tmp_path, "--train_file", prefix, "--config_overrides",
+        train_on(tmp_path, "--train_file", prefix, "--config_overrides",
               "position_embedding_type=learned,max_position_embeddings=16")
     # The loop without Trainer runs the same check, with the same message.
     from vaswani_training.train_no_trainer import main as train_no_trainer
@@ -221,8 +192,8 @@ def test_learned_positions_refuse_long_input_when_translating_and_training(tmp_p
 def learned_folder(tmp_path, tiny_tokenizer):
     """A saved tiny model with learned positions for 32 tokens (each of GERMAN is at most 29), and its tokenizer."""
     folder = tmp_path / "learned"
-    make_tiny_model(vocab_size=len(tiny_tokenizer), position_embedding_type="learned",
-                    max_position_embeddings=32).save_pretrained(folder)
+    tiny_model(vocab_size=len(tiny_tokenizer), position_embedding_type="learned",
+               max_position_embeddings=32).save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     return folder
 
@@ -245,7 +216,7 @@ def test_the_commands_check_every_length_before_translating(learned_folder, tmp_
                                          "--length_penalty_style", style),
                    re.escape(f"{source}:4: the sentence is"), "more than the 32 positions this model takes")
     assert not (tmp_path / "out").exists()
-    test = parallel(tmp_path / "test", german=[GERMAN[0], long_line], english=ENGLISH[:2])
+    test = write_parallel(tmp_path / "test", german=[GERMAN[0], long_line], english=ENGLISH[:2])
     exits_with(lambda: evaluate_cli("--model", learned_folder, "--test_file", test),
                re.escape(f"{test}, pair 2: the sentence is"))
 
@@ -287,7 +258,7 @@ def test_a_non_integer_batch_size_names_the_flag(model_folder, tmp_path, capsys,
 
 
 def test_generate_rejects_out_of_range_arguments():
-    model = make_tiny_model()
+    model = tiny_model()
     ids = torch.tensor([[5, 6, 7, 2]])
     # transformers itself fails on these with a ZeroDivisionError / a negative tensor dimension; ours says what is
     # wrong.
@@ -314,7 +285,7 @@ def test_generate_rejects_out_of_range_arguments():
     ],
 )
 def test_translate_sentences_rejects_out_of_range_arguments(tiny_tokenizer, kwargs, message):
-    model = make_tiny_model(vocab_size=len(tiny_tokenizer))
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
     with pytest.raises(ValueError, match=re.escape(f"translate_sentences: {message}")):
         translate_sentences(model, tiny_tokenizer, GERMAN[:2], **kwargs)
 
@@ -339,7 +310,7 @@ def test_translate_and_evaluate_commands_reject_out_of_range_arguments(model_fol
 
 
 def test_empty_input_for_translation(model_folder, tmp_path, tiny_tokenizer, monkeypatch):
-    model = make_tiny_model(vocab_size=len(tiny_tokenizer))
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
     with pytest.raises(ValueError, match="the input list is empty; there is nothing to translate"):
         translate_sentences(model, tiny_tokenizer, [])
     with pytest.raises(ValueError, match="pass a list of sentences, not a single string"):

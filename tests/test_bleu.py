@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import sacrebleu
@@ -12,8 +11,6 @@ import sacrebleu
 from vaswani_hf.bleu import compute_bleu, load_bleu_metric, moses_lc_tokenize
 from vaswani_hf.data import multi30k_file, read_lines
 from vaswani_hf.metrics import SACREBLEU_LOCAL_PATH
-
-REPO = Path(__file__).resolve().parents[1]
 
 HYPS = ["hello there general kenobi", "on our way to ankh morpork"]
 REFS = [["hello there general kenobi", "hello there !"], ["goodbye ankh morpork", "ankh morpork"]]

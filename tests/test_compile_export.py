@@ -17,7 +17,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_model, padded_batch
+from helpers import padded_batch, tiny_model
 
 from vaswani_hf.modeling_vaswani import check_input_ids
 
@@ -50,7 +50,7 @@ def _dynamic_shapes():
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_torch_export_with_dynamic_shapes_equals_eager(strict):
-    model = make_tiny_model(seed=1)
+    model = tiny_model(seed=1)
     wrapper = _Logits(model)
     exported = torch.export.export(wrapper, _inputs(0, 3, 9, 7), dynamic_shapes=_dynamic_shapes(), strict=strict)
     for seed, batch, source, target in ((2, 2, 5, 11), (3, 5, 13, 9), (4, 1, 3, 2)):
@@ -64,7 +64,7 @@ def test_torch_export_with_dynamic_shapes_equals_eager(strict):
 
 def test_exported_graph_keeps_the_mask_even_when_traced_unpadded():
     # Tracing on a batch without padding must not freeze "no mask" into the graph (the old `.all()` shortcut).
-    model = make_tiny_model(seed=1)
+    model = tiny_model(seed=1)
     wrapper = _Logits(model)
     ids, _, decoder_ids, _ = _inputs(0, 3, 9, 7)
     full = torch.ones_like(ids), torch.ones_like(decoder_ids)
@@ -82,7 +82,7 @@ def test_exported_graph_keeps_the_mask_even_when_traced_unpadded():
 def test_onnx_export_through_dynamo_equals_eager_under_onnxruntime(tmp_path):
     pytest.importorskip("onnxscript", reason="ONNX export needs onnxscript: pip install 'vaswani-hf[onnx]'")
     onnxruntime = pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'vaswani-hf[onnx]'")
-    model = make_tiny_model(seed=1)
+    model = tiny_model(seed=1)
     wrapper = _Logits(model)
     path = tmp_path / "model.onnx"
     torch.onnx.export(wrapper, _inputs(0, 3, 9, 7), str(path), dynamo=True, dynamic_shapes=_dynamic_shapes(),
@@ -112,7 +112,7 @@ def _training_batch(seed: int = 0):
 
 def test_training_forward_has_no_graph_breaks():
     torch._dynamo.reset()
-    model = make_tiny_model(seed=1, dropout=0.1, attention_dropout=0.1).train()
+    model = tiny_model(seed=1, dropout=0.1, attention_dropout=0.1).train()
     explanation = torch._dynamo.explain(lambda **batch: model(**batch).loss)(**_training_batch())
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
@@ -120,7 +120,7 @@ def test_training_forward_has_no_graph_breaks():
 
 def test_fullgraph_compiled_training_step_equals_eager():
     torch._dynamo.reset()
-    eager = make_tiny_model(seed=1, dropout=0.0).train()
+    eager = tiny_model(seed=1, dropout=0.0).train()
     compiled = copy.deepcopy(eager)
     step = torch.compile(lambda batch: compiled(**batch).loss, fullgraph=True, backend="aot_eager")
     batch = _training_batch()
@@ -144,7 +144,7 @@ def test_fullgraph_compiled_training_step_equals_eager():
 
 
 def test_eager_checks_still_hold_off_the_traced_path():
-    model = make_tiny_model()
+    model = tiny_model()
     with pytest.raises(ValueError, match="input_ids holds token id 120, outside this model's vocabulary of 99"):
         check_input_ids(torch.tensor([[5, 120]]), 99)
     with pytest.raises(ValueError, match="holds token id -1"):
@@ -164,12 +164,12 @@ def test_transformers_seq2seq_exportable_module_exports_and_its_greedy_loop_matc
     # transformers' ExecuTorch path (integrations.executorch): torch.export of get_encoder() and of get_decoder() with
     # a static cache, then its own greedy loop, which reads `outputs[0]` of the decoder and starts from token 0.
     executorch = pytest.importorskip("transformers.integrations.executorch")
-    from _copy_task import EOS, sources, trained_copy_model
+    from helpers import EOS, copy_sources, trained_copy_model
 
     model = trained_copy_model(steps=60, decoder_start_token_id=0)  # trained to start from 0, as the loop does
     exportable = executorch.Seq2SeqLMExportableModule(model, batch_size=1, max_hidden_seq_length=64,
                                                       max_cache_length=32).export()
-    ids, mask = sources(seed=3, batch=4)
+    ids, mask = copy_sources(seed=3, batch=4)
     outputs = []
     for row in range(ids.shape[0]):
         prompt = ids[row: row + 1, : int(mask[row].sum())]
@@ -191,10 +191,10 @@ MAX_LENGTH = 20
 def copy_generation():
     """A copy model trained 200 steps (good enough to copy most sentences, unsure enough that beam 4 and greedy
     disagree on some), 48 sources of 2-12 words, and `generate()`'s greedy and beam-4 (length penalty 0.6) tokens."""
-    from _copy_task import BOS, EOS, PAD, sources, trained_copy_model
+    from helpers import BOS, EOS, PAD, copy_sources, trained_copy_model
 
     model = trained_copy_model(steps=200)
-    ids, mask = sources(seed=5, batch=48, max_len=12)
+    ids, mask = copy_sources(seed=5, batch=48, max_len=12)
     assert mask.eq(0).any(), "padded rows: the source mask matters"
     with torch.no_grad():
         greedy = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, do_sample=False,
@@ -306,7 +306,7 @@ def test_broken_caches_miss_generates_tokens(copy_generation):
 def test_exported_step_reaches_max_length_past_the_position_table():
     from vaswani_hf.export_generation import greedy_search, torch_export_generation
 
-    model = make_tiny_model(seed=1, max_position_embeddings=8)  # sinusoidal: the table grows to max_length first
+    model = tiny_model(seed=1, max_position_embeddings=8)  # sinusoidal: the table grows to max_length first
     encoder, step = (program.module() for program in torch_export_generation(model, max_length=20,
                                                                              max_source_length=9))
     ids, mask = padded_batch(seed=2, batch=3, length=9)
@@ -315,7 +315,7 @@ def test_exported_step_reaches_max_length_past_the_position_table():
     assert expected.shape[1] == 20  # past the 8 positions the model was built with
     assert torch.equal(greedy_search(encoder, step, ids, mask, max_length=20, decoder_start_token_id=1,
                                      eos_token_id=2, pad_token_id=0), expected)
-    learned = make_tiny_model(position_embedding_type="learned", max_position_embeddings=8)
+    learned = tiny_model(position_embedding_type="learned", max_position_embeddings=8)
     with pytest.raises(ValueError, match="longer than max_position_embeddings=8"):
         torch_export_generation(learned, max_length=20)
 
@@ -323,7 +323,7 @@ def test_exported_step_reaches_max_length_past_the_position_table():
 def test_exporting_generation_refuses_a_model_in_training_mode():
     from vaswani_hf.export_generation import VaswaniExportableDecoderStep, torch_export_generation
 
-    model = make_tiny_model(seed=1).train()
+    model = tiny_model(seed=1).train()
     with pytest.raises(ValueError, match=r"eval mode \(model.eval\(\)\): in training mode dropout"):
         torch_export_generation(model)
     with pytest.raises(ValueError, match="eval mode"):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_config, make_tiny_model
+from helpers import tiny_config, tiny_model
 from transformers import AutoConfig, GenerationConfig
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
@@ -134,7 +134,7 @@ def test_saved_config_carries_auto_map(tmp_path):
 )
 def test_invalid_configs_raise_clear_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
-        make_tiny_config(**overrides)
+        tiny_config(**overrides)
 
 
 def test_divisibility_error_suggests_a_valid_head_count():
@@ -146,7 +146,7 @@ def test_divisibility_error_suggests_a_valid_head_count():
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_separate_vocabularies(tie):
-    model = make_tiny_model(target_vocab_size=57, share_encoder_decoder_embeddings=False, tie_word_embeddings=tie)
+    model = tiny_model(target_vocab_size=57, share_encoder_decoder_embeddings=False, tie_word_embeddings=tie)
     inner = model.model
     assert inner.encoder.embed_tokens.weight.shape == (99, 32)
     assert inner.decoder.embed_tokens.weight.shape == (57, 32)
@@ -160,7 +160,7 @@ def test_separate_vocabularies(tie):
 
 
 def test_sharing_off_with_one_vocabulary_keeps_two_matrices():
-    model = make_tiny_model(share_encoder_decoder_embeddings=False)  # two-way sharing: decoder input and lm_head
+    model = tiny_model(share_encoder_decoder_embeddings=False)  # two-way sharing: decoder input and lm_head
     inner = model.model
     assert inner.encoder.embed_tokens.weight is not inner.decoder.embed_tokens.weight
     assert model.lm_head.weight is inner.decoder.embed_tokens.weight
@@ -174,7 +174,7 @@ def test_sharing_off_with_one_vocabulary_keeps_two_matrices():
      dict(attention_dropout=0.3, activation_dropout=0.3), dict(activation_function="gelu")],
 )
 def test_options_build_working_models(overrides):
-    model = make_tiny_model(**overrides)
+    model = tiny_model(**overrides)
     ids = torch.randint(3, 99, (2, 7))
     out = model(input_ids=ids, labels=ids)
     assert torch.isfinite(out.loss)
@@ -197,15 +197,15 @@ def test_options_build_working_models(overrides):
 
 
 def test_pre_ln_differs_from_post_ln_on_the_same_weights():
-    post = make_tiny_model(seed=3)
-    pre = make_tiny_model(seed=3, normalize_before=True)
+    post = tiny_model(seed=3)
+    pre = tiny_model(seed=3, normalize_before=True)
     ids = torch.randint(3, 99, (2, 7))
     assert not torch.allclose(post(input_ids=ids, decoder_input_ids=ids).logits,
                               pre(input_ids=ids, decoder_input_ids=ids).logits)
 
 
 def test_generation_defaults_are_the_papers_and_saved_beside_the_model(tmp_path):
-    model = make_tiny_model()
+    model = tiny_model()
     generation = model.generation_config
     assert (generation.num_beams, generation.length_penalty) == (4, 0.6)
     assert (generation.decoder_start_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 0)
@@ -222,5 +222,5 @@ def test_generation_defaults_are_the_papers_and_saved_beside_the_model(tmp_path)
 
 
 def test_base_model_has_no_generation_head():
-    model = VaswaniModel(make_tiny_config())
+    model = VaswaniModel(tiny_config())
     assert not hasattr(model, "lm_head")

@@ -12,21 +12,19 @@ tests/test_distributed.py); with two or more GPUs they run two processes and ass
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGLISH, GERMAN, make_tiny_model, write_jsonl
+from helpers import ENGLISH, GERMAN, ROOT, free_port, tiny_model, write_jsonl
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "training" / "accelerate_configs"
 PAD = 0
 
@@ -100,7 +98,7 @@ def test_bf16_autocast_training_step_is_finite_and_close_to_fp32(exact_fp32):
 def test_generate_on_cuda_gives_the_cpu_tokens_in_fp32(exact_fp32, num_beams):
     """Greedy and beam-4 search (length penalty 0.6) on a padded batch: the same tokens on the GPU as on the CPU, and
     beam scores within 1e-4."""
-    model = make_tiny_model(seed=3, vocab_size=300, d_model=64, num_heads=4, d_ff=128)
+    model = tiny_model(seed=3, vocab_size=300, d_model=64, num_heads=4, d_ff=128)
     batch = padded_batch(300, rows=8, length=10, seed=1)
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     settings = dict(num_beams=num_beams, length_penalty=0.6, max_new_tokens=16, min_new_tokens=4,
@@ -117,8 +115,8 @@ def test_generate_on_cuda_gives_the_cpu_tokens_in_fp32(exact_fp32, num_beams):
 
 def logits_and_grads(attn: str, batch: dict, bf16: bool, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and the flattened gradient of the loss of the same tiny model (seed 5, dropout 0) with `attn`."""
-    model = make_tiny_model(seed=5, vocab_size=200, d_model=64, num_heads=4, d_ff=128, dropout=0.0,
-                            attn_implementation=attn).cuda().train()
+    model = tiny_model(seed=5, vocab_size=200, d_model=64, num_heads=4, d_ff=128, dropout=0.0,
+                       attn_implementation=attn).cuda().train()
     assert model.config._attn_implementation == attn
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
         out = model(**batch, skip_logits=False)
@@ -163,12 +161,6 @@ def data(tmp_path_factory):
     train = pairs + [(f"Heute: {de}", f"Today: {en}") for de, en in pairs]
     return {"train": write_jsonl(root / "train.jsonl", train), "validation": write_jsonl(root / "val.jsonl", pairs[:4]),
             "test": write_jsonl(root / "test.jsonl", pairs[4:8]), "root": root}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(config: str, script: str, num_processes: int, flags: list[str], timeout: int = 600) -> str:
@@ -263,10 +255,10 @@ def test_beam_search_on_cuda_keeps_finished_sentences_in_the_batch_by_default(ex
     """On a GPU the default (`skip_finished_sentences = None`) runs every step on the whole batch (leaving finished
     sentences out saves no launches and costs a host sync a step); `True` turns the skipping on, with the same
     sequences."""
-    from _copy_task import sources, trained_copy_model
+    from helpers import copy_sources, trained_copy_model
 
     model = trained_copy_model(steps=40).cuda()
-    ids, mask = (t.cuda() for t in sources(seed=3, batch=12, min_len=1, max_len=9))
+    ids, mask = (t.cuda() for t in copy_sources(seed=3, batch=12, min_len=1, max_len=9))
     runs = {}
     for setting in (None, True):
         model.skip_finished_sentences = setting

@@ -8,10 +8,10 @@ import hashlib
 import logging
 import re
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, write
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,15 +31,7 @@ from vaswani_hf.data import (
     tokenize_dataset,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-M30K = REPO / "vaswani_hf" / "corpora" / "multi30k"
-
-
-def write(path: Path, data, gz=False):
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    path.write_bytes(gzip.compress(data, mtime=0) if gz else data)
-    return path
+M30K = ROOT / "vaswani_hf" / "corpora" / "multi30k"
 
 
 # ----------------------------------------------------------------------------------------------- shipped data

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _copy_task import EOS, PAD, sources, trained_copy_model
+from helpers import EOS, PAD, copy_sources, trained_copy_model
 
 from vaswani_hf.decoding import (
     FinishedHypotheses,
@@ -25,7 +25,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def batch():
-    return sources(seed=1, batch=8)
+    return copy_sources(seed=1, batch=8)
 
 
 def test_penalties_follow_their_formulas():
@@ -132,7 +132,7 @@ def test_greedy_equals_transformers_greedy(model, batch):
 @pytest.mark.parametrize("num_beams", [1, 4])
 def test_max_length_is_source_length_plus_50(num_beams):
     model = trained_copy_model(steps=0)  # untrained: never chooses </s>, so every output runs to its limit
-    ids, mask = sources(seed=3, batch=3, min_len=2, max_len=9)
+    ids, mask = copy_sources(seed=3, batch=3, min_len=2, max_len=9)
     src_len = mask.sum(1)
     assert len(set(src_len.tolist())) > 1
     out = paper_generate(model, ids, mask, num_beams=num_beams)

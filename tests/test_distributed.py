@@ -19,16 +19,14 @@ BLAS in each process, and two processes that pick differently round differently.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGLISH, GERMAN, write_jsonl
+from helpers import ENGLISH, GERMAN, ROOT, free_port, write_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "training" / "accelerate_configs"
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-4  # about 2% of the first update's learning rate (5.6e-3 for the tiny preset)
@@ -70,12 +68,6 @@ TRAINER_FLAGS = ["--max_steps", str(STEPS), "--logging_steps", "1", "--eval_stra
                  str(STEPS), "--report_to", "none", "--disable_tqdm", "true", "--per_device_eval_batch_size", "8"]
 NO_TRAINER_FLAGS = ["--max_steps", str(STEPS), "--logging_steps", "1", "--checkpointing_steps", "0",
                     "--per_device_eval_batch_size", "8"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +306,7 @@ def launch_env(config: str):
 
 def test_accelerate_configs(monkeypatch):
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from conftest import make_tiny_model
+    from helpers import tiny_model
 
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == [
         "cpu_2proc.yaml", "fsdp_big.yaml", "multi_gpu_ddp_bf16.yaml", "single_gpu.yaml"]
@@ -332,7 +324,7 @@ def test_accelerate_configs(monkeypatch):
             monkeypatch.setenv(key, value)
     plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables as in a launched process
     assert plugin.fsdp_version == 2 and "FULL_STATE_DICT" in str(plugin.state_dict_type)
-    model = make_tiny_model(encoder_layers=1, decoder_layers=1)
+    model = tiny_model(encoder_layers=1, decoder_layers=1)
     plugin.set_auto_wrap_policy(model)  # raises if a class to wrap is not in the model
     wrapped = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
     assert {cls.__name__ for cls in wrapped} == {"VaswaniEncoderLayer", "VaswaniDecoderLayer"}

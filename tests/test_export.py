@@ -10,14 +10,20 @@ import os
 import re
 import shutil
 import stat
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from helpers import (
+    ROOT,
+    assert_loaded_as_remote_code,
+    printed_result,
+    remote_code_script,
+    run_without_vaswani_hf,
+    tiny_model,
+)
 from hub_standin import StandInHub
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -26,7 +32,6 @@ import vaswani_hf
 from vaswani_training.export import EXPORTED_CODE, export_for_hub, push_folder
 from vaswani_training.export import main as export_main
 
-ROOT = Path(__file__).resolve().parent.parent
 HUB_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
              "tokenizer_config.json", *EXPORTED_CODE}
 SENTENCES = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee vor einem Haus."]
@@ -113,51 +118,18 @@ def test_model_card_carries_the_runs_metrics_and_usage(exported, trained):
     assert "vaswani2017attention" in readme and 'pipeline("translation")' in readme
 
 
-# Runs with `python -I` (no PYTHONPATH, user site or current directory on sys.path) from the folder's parent, with
-# vaswani_hf made unimportable even where it is installed (`pip install -e .`): a None entry in sys.modules makes
-# `import vaswani_hf` and of any submodule raise ImportError. Then it runs the usage snippet of the README.
-REMOTE_SCRIPT = textwrap.dedent(
+# Run by `run_without_vaswani_hf` from the folder's parent; then it runs the usage snippet of the README.
+REMOTE_SCRIPT = remote_code_script(
     """
-    import json, sys
-
-    sys.modules["vaswani_hf"] = None
-    folder, sentences = sys.argv[1], json.loads(sys.argv[2])
-    result = {}
-    try:
-        import vaswani_hf  # noqa: F401
-        result["import_vaswani_hf"] = "succeeded"
-    except ImportError:
-        result["import_vaswani_hf"] = "failed"
-
-    import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer
-
-    for name, auto in (("config", AutoConfig), ("model", AutoModel), ("seq2seq", AutoModelForSeq2SeqLM)):
-        try:
-            auto.from_pretrained(folder)
-            result["refused_" + name] = False
-        except Exception as error:  # no terminal to ask: a ValueError asking for trust_remote_code=True
-            result["refused_" + name] = "trust_remote_code" in str(error)
-
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    base = AutoModel.from_pretrained(folder, trust_remote_code=True)
-    model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    sentences = json.loads(sys.argv[2])
     batch = tokenizer(sentences, return_tensors="pt", padding=True)
     with torch.no_grad():
         ids = model.generate(**batch, max_new_tokens=batch["input_ids"].shape[1] + 50)
-    result.update(
-        ids=ids.tolist(),
-        classes=[type(x).__module__ + "." + type(x).__name__ for x in (config, base, model)],
-        tokenizer_class=type(tokenizer).__name__,
-        tied=model.lm_head.weight is model.model.shared.weight,
-    )
+    result.update(ids=ids.tolist(), tokenizer_class=type(tokenizer).__name__)
     snippet = open(folder + "/README.md", encoding="utf-8").read().split("```python")[1].split("```")[0]
     snippet = snippet.replace('repo = "someone/vaswani-tiny"', "repo = " + repr(folder))
     print("SNIPPET=", end="")
     exec(compile(snippet, "README.md", "exec"), {})
-    result["loaded_modules"] = sorted(m for m in sys.modules if m.startswith("vaswani_hf") and sys.modules[m])
-    print("RESULT=" + json.dumps(result))
     """
 )
 
@@ -176,30 +148,20 @@ def test_export_loads_as_remote_code_and_translates_as_the_original(exported, tr
     with torch.no_grad():
         example_ids = original.generate(**example, max_new_tokens=example["input_ids"].shape[1] + 50)
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    completed = subprocess.run(
-        [sys.executable, "-I", "-c", REMOTE_SCRIPT, str(exported), json.dumps(SENTENCES)],
-        cwd=exported.parent, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads(completed.stdout.split("RESULT=")[-1])
-    assert result["import_vaswani_hf"] == "failed" and result["loaded_modules"] == []
-    assert result["refused_config"] is result["refused_model"] is result["refused_seq2seq"] is True
-    assert all(c.startswith("transformers_modules.") for c in result["classes"])
-    assert [c.rsplit(".", 1)[1] for c in result["classes"]] == [
-        "VaswaniConfig", "VaswaniModel", "VaswaniForConditionalGeneration"]
-    assert result["tied"] is True, "one embedding matrix for encoder, decoder and output projection"
+    completed = run_without_vaswani_hf(REMOTE_SCRIPT, exported, json.dumps(SENTENCES), cwd=exported.parent,
+                                       hf_home=tmp_path / "hf_home", timeout=600)
+    result = printed_result(completed)
+    assert_loaded_as_remote_code(result)
     assert result["ids"] == expected.tolist()
     printed = completed.stdout.split("SNIPPET=")[1].split("RESULT=")[0].strip()
     assert printed == str(tokenizer.batch_decode(example_ids, skip_special_tokens=True))
 
 
-# Loads by repo id through the stand-in, with vaswani_hf made unimportable as above and an empty cache.
+# Loads by repo id through the stand-in, run by `run_without_vaswani_hf` as above, with an empty cache.
 REMOTE_REPO_SCRIPT = textwrap.dedent(
     """
     import json, sys
 
-    sys.modules["vaswani_hf"] = None
     repo, sentences = sys.argv[1], json.loads(sys.argv[2])
     import torch
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
@@ -210,8 +172,7 @@ REMOTE_REPO_SCRIPT = textwrap.dedent(
     with torch.no_grad():
         ids = model.generate(**batch, max_new_tokens=batch["input_ids"].shape[1] + 50)
     print("RESULT=" + json.dumps({"ids": ids.tolist(), "class": type(model).__module__ + "." + type(model).__name__,
-                                  "vaswani_hf": sorted(m for m in sys.modules if m.startswith("vaswani_hf")
-                                                       and sys.modules[m])}))
+                                  "vaswani_hf": sorted(m for m in sys.modules if m.startswith("vaswani_hf"))}))
     """
 )
 
@@ -227,15 +188,11 @@ def test_remote_code_loads_by_repo_id_through_the_hub(trained, hub, tmp_path):
     with torch.no_grad():
         expected = original.generate(**batch, max_new_tokens=batch["input_ids"].shape[1] + 50)
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_"))}
-    env.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "hub_cache"), HF_HOME=str(tmp_path / "hf_home"),
-               HF_HUB_OFFLINE="0", OMP_NUM_THREADS="1")
     start = len(hub.requests)
-    completed = subprocess.run(
-        [sys.executable, "-I", "-c", REMOTE_REPO_SCRIPT, repo_id, json.dumps(SENTENCES)], cwd=tmp_path, env=env,
-        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads(completed.stdout.split("RESULT=")[-1])
+    completed = run_without_vaswani_hf(REMOTE_REPO_SCRIPT, repo_id, json.dumps(SENTENCES), cwd=tmp_path,
+                                       hf_home=tmp_path / "hf_home", timeout=600, HF_ENDPOINT=hub.url,
+                                       HF_HUB_CACHE=str(tmp_path / "hub_cache"), HF_HUB_OFFLINE="0")
+    result = printed_result(completed)
     assert result["vaswani_hf"] == [] and result["class"].startswith("transformers_modules.")
     assert result["class"].endswith("modeling_vaswani.VaswaniForConditionalGeneration")
     assert result["ids"] == expected.tolist()
@@ -397,7 +354,7 @@ def test_a_push_that_fails_midway_says_so_and_keeps_the_folder(step, trained, tm
         "weights stored before the failed commit are not uploaded again")
 
 
-def test_export_errors_are_clear(trained, tmp_path, monkeypatch, tiny_model):
+def test_export_errors_are_clear(trained, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
     with pytest.raises(SystemExit, match="not a saved model folder"):
@@ -410,7 +367,7 @@ def test_export_errors_are_clear(trained, tmp_path, monkeypatch, tiny_model):
     (other / "config.json").write_text(json.dumps({"model_type": "bart"}))
     with pytest.raises(SystemExit, match="model_type is 'bart', not 'vaswani'"):
         export_main(["--model_dir", str(other), "--output_dir", str(tmp_path / "y")])
-    tiny_model.save_pretrained(tmp_path / "no_tokenizer")
+    tiny_model().save_pretrained(tmp_path / "no_tokenizer")
     with pytest.raises(SystemExit, match="no tokenizer.json"):
         export_main(["--model_dir", str(tmp_path / "no_tokenizer"), "--output_dir", str(tmp_path / "z")])
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
@@ -457,7 +414,7 @@ def test_a_training_run_whose_push_fails_says_so_and_keeps_its_model(hub, tmp_pa
 @pytest.fixture(scope="module")
 def fine_tuned(trained, tmp_path_factory):
     """The Multi30k run fine-tuned for 2 updates on two local files."""
-    from conftest import ENGLISH, GERMAN
+    from helpers import ENGLISH, GERMAN
 
     from vaswani_training.train import main
 

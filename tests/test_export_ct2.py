@@ -11,8 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from _copy_task import PAD, VOCAB, sources, tiny_config, trained_copy_model
-from conftest import make_tiny_model
+from helpers import COPY_TASK, COPY_VOCAB, PAD, ROOT, copy_sources, tiny_config, tiny_model, trained_copy_model
 
 try:
     import ctranslate2
@@ -25,7 +24,7 @@ from vaswani_hf.export_ct2 import build_ct2_spec, ct2_translate, export_ct2
 from vaswani_hf.modeling_vaswani import sinusoidal_table
 from vaswani_training.export_ct2 import main as export_main
 
-WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, VOCAB)]
+WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, COPY_VOCAB)]
 
 pytestmark = pytest.mark.isa
 
@@ -62,7 +61,7 @@ def trained(tmp_path_factory):
 def test_greedy_and_beam_are_token_identical_to_generate(trained):
     model, root = trained
     translator = ctranslate2.Translator(str(root / "fp32"), device="cpu", compute_type="float32")
-    ids, mask = sources(seed=1, batch=8)
+    ids, mask = copy_sources(seed=1, batch=8)
     outputs = {}
     for beam_size in (1, 4):
         ours = model.generate(input_ids=ids, attention_mask=mask, num_beams=beam_size, length_penalty=0.6,
@@ -89,12 +88,12 @@ def _our_log_probs(model, ids, mask, targets):
                          ids=["paper", "pre-LN", "learned-positions", "gelu", "unscaled-embeddings"])
 def test_log_probs_match(tmp_path, variant):
     torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(tiny_config(**variant)).eval()
+    model = VaswaniForConditionalGeneration(tiny_config(**{**COPY_TASK, **variant})).eval()
     model.save_pretrained(tmp_path / "model")
     export_ct2(tmp_path / "model", tmp_path / "ct2", vocabulary=WORDS)
     translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", compute_type="float32")
-    ids, mask = sources(seed=4, batch=4)
-    targets, _ = sources(seed=5, batch=4)
+    ids, mask = copy_sources(seed=4, batch=4)
+    targets, _ = copy_sources(seed=5, batch=4)
     targets = [row[row.ne(PAD)] for row in targets]  # each ends in </s>
     results = translator.score_batch(_tokens(ids), [[WORDS[i] for i in t[:-1].tolist()] for t in targets])
     for i, result in enumerate(results):  # CTranslate2 scores the </s> it appends too
@@ -103,7 +102,7 @@ def test_log_probs_match(tmp_path, variant):
 
 
 def test_position_table_is_the_interleaved_one():
-    model = make_tiny_model(vocab_size=VOCAB)
+    model = tiny_model(vocab_size=COPY_VOCAB)
     spec = build_ct2_spec(model, WORDS, max_positions=300)
     table = spec.encoder.position_encodings.encodings
     assert table.shape == (300, 32)
@@ -119,7 +118,7 @@ def _candidates(translator, ids, others: int = 5, seed: int = 7) -> tuple[list[l
     sources_, targets = [], []
     for i, result in enumerate(translator.translate_batch(_tokens(ids), beam_size=1, max_decoding_length=60)):
         length = len(result.hypotheses[0])
-        targets += [result.hypotheses[0]] + [[WORDS[int(j)] for j in torch.randint(4, VOCAB, (length,),
+        targets += [result.hypotheses[0]] + [[WORDS[int(j)] for j in torch.randint(4, COPY_VOCAB, (length,),
                                                                                       generator=generator)]
                                               for _ in range(others)]
         sources_ += _tokens(ids[i: i + 1]) * (others + 1)
@@ -167,7 +166,7 @@ def test_int8_is_smaller_and_close(trained, tmp_path):
     fp32 = ctranslate2.Translator(str(root / "fp32"), device="cpu", compute_type="float32")
     int8_weights = ctranslate2.Translator(str(root / "int8"), device="cpu", compute_type="float32")
     int8 = ctranslate2.Translator(str(root / "int8"), device="cpu", compute_type="int8")
-    ids, _ = sources(seed=1, batch=8)
+    ids, _ = copy_sources(seed=1, batch=8)
     pairs = _candidates(fp32, ids)  # 8 sources x (greedy translation + 5 random sentences)
     reference = _scores(fp32, pairs)
 
@@ -208,7 +207,7 @@ def test_int8_is_smaller_and_close(trained, tmp_path):
 
 @torch.no_grad()
 def test_export_with_tokenizer_and_translate_text(tmp_path, tiny_tokenizer, parallel_text):
-    model = make_tiny_model(vocab_size=len(tiny_tokenizer))
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
     model.save_pretrained(tmp_path / "model")
     tiny_tokenizer.save_pretrained(tmp_path / "model")
     assert export_main(["--model_dir", str(tmp_path / "model"), "--output_dir", str(tmp_path / "ct2")]) == 0
@@ -247,13 +246,11 @@ def test_clear_errors(tmp_path, trained):
 def test_speed_benchmark_runs_and_agrees(trained):
     import importlib.util
 
-    from _copy_task import ROOT_DIR
-
-    spec = importlib.util.spec_from_file_location("bench_ct2", ROOT_DIR / "benchmarks" / "bench_ct2.py")
+    spec = importlib.util.spec_from_file_location("bench_ct2", ROOT / "benchmarks" / "bench_ct2.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     model, _ = trained
-    ids, _ = sources(seed=1, batch=6)
+    ids, _ = copy_sources(seed=1, batch=6)
     inputs = [row[row.ne(PAD)].tolist() for row in ids]
     results = bench.bench_ct2(model, inputs=inputs, batch_size=4, num_beams=4, repetitions=1, threads=1)
     assert set(results["sentences_per_second"]) == {"ours", "torch_int8", "ct2_float32", "ct2_int8"}

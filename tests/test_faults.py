@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from vaswani_training.atomic import write_json_atomic, write_lines_atomic
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def leftovers(folder: Path) -> list[str]:

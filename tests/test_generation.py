@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_model, padded_batch
+from helpers import padded_batch, sentences_differing_from_greedy, tiny_model
 from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
 
 SHORT = dict(max_new_tokens=8)
@@ -16,19 +16,8 @@ def trim(row: torch.Tensor) -> list[int]:
     return tokens[: tokens.index(2, 1) + 1] if 2 in tokens[1:] else [t for t in tokens if t != 0]
 
 
-def sentences_differing_from_greedy(model, out: torch.Tensor, kwargs: dict, **common) -> int | None:
-    """For a beam-search call (`kwargs`), how many sentences' best hypothesis differs from greedy search's translation
-    with the same inputs and lengths (`common`): a beam test on inputs where beam search returns greedy's tokens shows
-    nothing. `None` for calls that are not beam search."""
-    if kwargs.get("num_beams", 1) == 1 or kwargs.get("do_sample"):
-        return None
-    greedy = model.generate(num_beams=1, do_sample=False, **common)
-    best = out[:: kwargs.get("num_return_sequences", 1)]
-    return sum(trim(b) != trim(g) for b, g in zip(best, greedy, strict=True))
-
-
 def test_greedy_is_argmax_of_the_model():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     out = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, do_sample=False, **SHORT)
     assert out.shape == (3, 9) and out[:, 0].eq(1).all()  # starts with <s> = decoder_start_token_id
@@ -40,7 +29,7 @@ def test_greedy_is_argmax_of_the_model():
 
 
 def test_default_decoding_is_beam_4_with_length_penalty():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     default = model.generate(input_ids=ids, attention_mask=mask, **SHORT)
     explicit = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, length_penalty=0.6,
@@ -62,7 +51,7 @@ def test_default_decoding_is_beam_4_with_length_penalty():
 @pytest.mark.parametrize("kwargs", [dict(num_beams=1, do_sample=False), dict(num_beams=4),
                                     dict(num_beams=3, num_return_sequences=2, length_penalty=1.0)])
 def test_cached_and_uncached_generation_are_identical(kwargs):
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     cached = model.generate(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs, **SHORT)
     uncached = model.generate(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs, **SHORT)
@@ -72,7 +61,7 @@ def test_cached_and_uncached_generation_are_identical(kwargs):
 
 @pytest.mark.parametrize("kwargs", [dict(num_beams=1, do_sample=False), dict(num_beams=4)])
 def test_cross_attention_keys_and_values_are_computed_once_per_generate(kwargs):
-    model = make_tiny_model()
+    model = tiny_model()
     model.use_cpu_packed_linears = False  # k_proj itself runs (not the packed k|v matrix), so the hook sees it
     ids, mask = padded_batch(length=9)
     calls = []
@@ -87,7 +76,7 @@ def test_cross_attention_keys_and_values_are_computed_once_per_generate(kwargs):
 
 
 def test_sampling_is_reproducible_with_a_seed():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     runs = []
     for seed in (0, 0, 1):
@@ -102,7 +91,7 @@ def test_sampling_is_reproducible_with_a_seed():
 
 @pytest.mark.parametrize("kwargs", [dict(num_beams=1, do_sample=False), dict(num_beams=4)])
 def test_reusing_encoder_outputs_gives_the_same_translation(kwargs):
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     expected = model.generate(input_ids=ids, attention_mask=mask, **kwargs, **SHORT)
     encoder_outputs = model.get_encoder()(input_ids=ids, attention_mask=mask)
@@ -116,7 +105,7 @@ def test_reusing_encoder_outputs_gives_the_same_translation(kwargs):
 
 @pytest.mark.parametrize("kwargs", [dict(num_beams=1, do_sample=False), dict(num_beams=4)])
 def test_a_padded_batch_translates_each_sentence_as_alone(kwargs):
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(batch=4, length=11)
     batched = model.generate(input_ids=ids, attention_mask=mask, **kwargs, **SHORT)
     for row in range(4):
@@ -148,7 +137,7 @@ class EndFirstSentenceEarly(LogitsProcessor):
 def test_finished_sequences_are_padded_with_pad_not_eos(kwargs):
     """transformers' beam search pads with `pad_token_id or eos_token_id`, i.e. </s> when the pad id is 0 (our
     rows `[1, x, 2, 2, 2, ...]`); greedy pads with <pad>. Our generate() makes both pad with <pad>."""
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     processors = LogitsProcessorList([EndFirstSentenceEarly(kwargs.get("num_beams", 1))])
     out = model.generate(input_ids=ids, attention_mask=mask, logits_processor=processors, **kwargs, **SHORT)
@@ -165,7 +154,7 @@ def test_finished_sequences_are_padded_with_pad_not_eos(kwargs):
 
 def test_text_in_text_out_with_the_tokenizer(tiny_tokenizer, parallel_text):
     """Tokenize, generate, decode: what the translation pipeline does, by hand."""
-    model = make_tiny_model(vocab_size=len(tiny_tokenizer))
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
     sources = parallel_text[0][:3]
     batch = tiny_tokenizer(sources, padding=True, return_tensors="pt")
     generated = model.generate(**batch, max_new_tokens=6)
@@ -180,7 +169,7 @@ def test_translation_pipeline_returns_text(tiny_tokenizer, parallel_text):
     """`pipeline("translation")` works once vaswani_hf is imported (vaswani_hf.pipeline registers it again)."""
     from transformers import pipeline
 
-    model = make_tiny_model(vocab_size=len(tiny_tokenizer))
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
     translator = pipeline("translation", model=model, tokenizer=tiny_tokenizer)
     sources = parallel_text[0][:2]
     results = translator(sources, max_new_tokens=6, num_beams=2)
@@ -196,7 +185,7 @@ def test_translation_pipeline_returns_text(tiny_tokenizer, parallel_text):
 
 @pytest.mark.parametrize("kwargs", [dict(num_beams=1), dict(num_beams=3), dict(do_sample=True, num_return_sequences=2)])
 def test_static_cache_gives_the_dynamic_caches_tokens(kwargs):
-    model = make_tiny_model(seed=2)
+    model = tiny_model(seed=2)
     ids, mask = padded_batch(length=9)
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, **kwargs)
     torch.manual_seed(0)
@@ -211,7 +200,7 @@ def test_static_cache_gives_the_dynamic_caches_tokens(kwargs):
 def test_compiled_decoding_step_gives_eager_tokens():
     from transformers import CompileConfig
 
-    model = make_tiny_model(seed=2)
+    model = tiny_model(seed=2)
     ids, mask = padded_batch(length=9)
     graphs = []
 
@@ -232,7 +221,7 @@ def test_plain_generate_calls_do_not_warn():
     from transformers.testing_utils import CaptureLogger
     from transformers.utils import logging
 
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     assert model.generation_config.max_length == 256  # the bound of calls that give no length
     verbosity = logging.get_verbosity()

@@ -12,7 +12,7 @@
 
 import pytest
 import torch
-from conftest import make_tiny_model, padded_batch
+from helpers import padded_batch, sentences_differing_from_greedy, tiny_model
 from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 
@@ -37,18 +37,6 @@ class StockGeneration(VaswaniForConditionalGeneration):
         return past_key_values
 
 
-def sentences_differing_from_greedy(model, out: torch.Tensor, kwargs: dict, **common) -> int | None:
-    """For a beam-search call (`kwargs`), how many sentences' best hypothesis differs from greedy search's translation
-    with the same inputs and lengths (`common`): a beam test on inputs where beam search returns greedy's tokens shows
-    nothing. `None` for calls that are not beam search."""
-    if kwargs.get("num_beams", 1) == 1 or kwargs.get("do_sample"):
-        return None
-    greedy = model.generate(num_beams=1, do_sample=False, **common)
-    strip = lambda row: [t for t in row.tolist() if t != 0]  # noqa: E731
-    best = out[:: kwargs.get("num_return_sequences", 1)]
-    return sum(strip(b) != strip(g) for b, g in zip(best, greedy, strict=True))
-
-
 def stock_copy(model: VaswaniForConditionalGeneration) -> StockGeneration:
     stock = StockGeneration(model.config).eval()
     stock.load_state_dict(model.state_dict())
@@ -65,7 +53,7 @@ def stock_copy(model: VaswaniForConditionalGeneration) -> StockGeneration:
 ])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_generation_matches_transformers_expansion_and_reordering(kwargs, attn):
-    model = make_tiny_model(attn_implementation=attn)
+    model = tiny_model(attn_implementation=attn)
     stock = stock_copy(model)
     ids, mask = padded_batch(length=9)
     outputs = []
@@ -90,7 +78,7 @@ def test_generation_matches_transformers_expansion_and_reordering(kwargs, attn):
 
 
 def test_cross_attention_probabilities_come_back_one_row_per_beam():
-    model = make_tiny_model()
+    model = tiny_model()
     stock = stock_copy(model)
     ids, mask = padded_batch(length=9)
     ours, expected = (m.generate(input_ids=ids, attention_mask=mask, num_beams=4, return_dict_in_generate=True,
@@ -107,7 +95,7 @@ def test_cross_attention_probabilities_come_back_one_row_per_beam():
 
 @pytest.mark.parametrize("kwargs", [dict(num_beams=4), dict(do_sample=True, num_return_sequences=3)])
 def test_encoder_decoder_keys_and_values_are_projected_once_per_sentence(kwargs):
-    model = make_tiny_model()
+    model = tiny_model()
     model.use_cpu_packed_linears = False  # k_proj itself runs (not the packed k|v matrix), so the hook sees it
     ids, mask = padded_batch(length=9)
     rows = []
@@ -119,7 +107,7 @@ def test_encoder_decoder_keys_and_values_are_projected_once_per_sentence(kwargs)
 
 
 def test_reorder_cache_moves_only_the_self_attention_cache():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     decoder_ids = torch.tensor([[1, 5], [1, 6], [1, 7]])
     with torch.no_grad():
@@ -141,7 +129,7 @@ def test_reorder_cache_moves_only_the_self_attention_cache():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_decoder_rows_may_share_encoder_rows(attn):
     """k consecutive decoder rows per encoder row give what repeating the encoder output k times gives."""
-    model = make_tiny_model(attn_implementation=attn)
+    model = tiny_model(attn_implementation=attn)
     ids, mask = padded_batch(length=9)
     decoder_ids = torch.randint(3, 99, (6, 4), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -166,7 +154,7 @@ def test_decoder_rows_may_share_encoder_rows(attn):
 
 
 def test_logits_to_keep_projects_only_the_positions_asked_for():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     decoder_ids = torch.randint(3, 99, (3, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -190,7 +178,7 @@ class WithoutLogitsToKeep(VaswaniForConditionalGeneration):
 
 
 def test_a_forced_decoder_prefix_generates_the_same_with_logits_to_keep():
-    model = make_tiny_model()
+    model = tiny_model()
     plain = WithoutLogitsToKeep(model.config).eval()
     plain.load_state_dict(model.state_dict())
     ids, mask = padded_batch(length=9)
@@ -207,7 +195,7 @@ def test_torch_compile_forward_matches_eager():
     """torch.compile of the training forward (loss and logits) matches eager. Compiling a tiny model on CPU takes
     5-20 s (graph breaks at the data-dependent input checks). torch ships inductor, and the project's machines have
     the C++ compiler it needs, so a failure to compile is a failure of this test."""
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     labels = ids.masked_fill(mask.eq(0), -100)
     with torch.no_grad():
@@ -226,13 +214,13 @@ def test_torch_compile_decoding_matches_eager():
     """generate() with a compiled forward (the decoding steps, the in-place cache, the grouped cross-attention)
     gives eager's beams. It recompiles as the cached length grows (the cache's length is a Python int); about 20 s
     on 2 cores for this tiny model."""
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     expected = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=4)
     model.forward = torch.compile(model.forward)
     out = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=4)
     assert torch.equal(out, expected)
-    assert sentences_differing_from_greedy(make_tiny_model(), expected, dict(num_beams=4), input_ids=ids,
+    assert sentences_differing_from_greedy(tiny_model(), expected, dict(num_beams=4), input_ids=ids,
                                            attention_mask=mask, max_new_tokens=4) >= 1
 
 
@@ -246,10 +234,10 @@ def test_beam_search_leaves_finished_sentences_out_and_returns_the_same(kwargs):
     """The first decoding step runs once per sentence, and after the step in which a sentence is finished, decoding
     steps run on the open sentences' rows only; generate() returns exactly what it returns when every step runs on
     the whole batch."""
-    from _copy_task import sources, trained_copy_model
+    from helpers import copy_sources, trained_copy_model
 
     model = trained_copy_model(steps=40)
-    ids, mask = sources(seed=3, batch=12, min_len=1, max_len=9)  # outputs of 2 to 10 tokens
+    ids, mask = copy_sources(seed=3, batch=12, min_len=1, max_len=9)  # outputs of 2 to 10 tokens
     rows = []
     hook = model.model.decoder.register_forward_pre_hook(
         lambda module, args, kw: rows.append((kw.get("input_ids") if kw.get("input_ids") is not None

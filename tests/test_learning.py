@@ -1,7 +1,7 @@
 """Fine-tuning learns: three ways of training, each held to a validation-loss fall and an exact-match threshold that an
 untrained or broken model misses, with the broken variants run beside them.
 
-- `Seq2SeqTrainer` in-process on the copy task of `tests/_copy_task.py` (24 ids, 2+2 layers, d_model 32), 300 steps:
+- `Seq2SeqTrainer` in-process on the copy task of `tests/helpers.py` (24 ids, 2+2 layers, d_model 32), 300 steps:
   Trainer's eval loss falls by at least `TRAINER_LOSS_FALL` nats and greedy exact match reaches `TRAINER_MATCH`.
   Broken variants, each shown to miss it: a learning rate of 0 (frozen weights; the loss stays), the decoder's causal
   mask off (§3.2.3: it sees the next target token) and decoder inputs that are the labels instead of the labels shifted
@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _copy_task import EOS, PAD, copy_batch, tiny_config
-from conftest import write_jsonl
+from helpers import COPY_TASK, EOS, PAD, copy_batch, tiny_config, write_jsonl
 
 from vaswani_hf import VaswaniForConditionalGeneration, modeling_vaswani
 
@@ -89,7 +88,7 @@ def train_copy_with_trainer(output_dir: Path, *, learning_rate: float = 5e-3,
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(tiny_config())
+    model = VaswaniForConditionalGeneration(tiny_config(**COPY_TASK))
     args = Seq2SeqTrainingArguments(
         output_dir=str(output_dir), max_steps=300, per_device_train_batch_size=32, per_device_eval_batch_size=128,
         learning_rate=learning_rate, warmup_steps=30, lr_scheduler_type="linear", weight_decay=0.0, logging_steps=50,

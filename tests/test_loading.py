@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from conftest import make_tiny_config, make_tiny_model, padded_batch
+from helpers import padded_batch, tiny_config, tiny_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSeq2SeqLM
 
@@ -32,7 +32,7 @@ def _generate(model, **settings) -> torch.Tensor:
 @pytest.fixture
 def saved(tmp_path):
     """A tiny model with distinct tokens (larger init of the shared matrix) saved with its one shared matrix."""
-    model = make_tiny_model(seed=3)
+    model = tiny_model(seed=3)
     with torch.no_grad():
         model.model.shared.weight.mul_(4.0)
     model.save_pretrained(tmp_path / "model")
@@ -46,12 +46,12 @@ def saved(tmp_path):
 def test_share_encoder_decoder_embeddings(model_class, tmp_path):
     """transformers' tests/models/marian/test_modeling_marian.py::test_share_encoder_decoder_embeddings, adapted: the
     steps are MarianMT's, the value checks after loading are ours (MarianMT initializes the untied copies at random)."""
-    config = make_tiny_config()
+    config = tiny_config()
     model = model_class(config)
     assert model.get_encoder().embed_tokens is model.get_decoder().embed_tokens  # shared by default
     assert model.get_encoder().embed_tokens.weight is model.get_decoder().embed_tokens.weight
 
-    untied = model_class(make_tiny_config(share_encoder_decoder_embeddings=False))
+    untied = model_class(tiny_config(share_encoder_decoder_embeddings=False))
     assert untied.get_encoder().embed_tokens is not untied.get_decoder().embed_tokens
     assert untied.get_encoder().embed_tokens.weight is not untied.get_decoder().embed_tokens.weight
 
@@ -238,7 +238,7 @@ def test_a_generation_config_value_of_the_wrong_type_is_refused_naming_the_field
 
 
 def test_generate_refuses_settings_of_the_wrong_type_naming_them():
-    model = make_tiny_model()
+    model = tiny_model()
     for field, value in (("length_penalty", "x"), ("max_new_tokens", "3"), ("temperature", float("nan")),
                          ("top_k", 2.0), ("num_beams", "4")):
         with pytest.raises(ValueError, match=rf"generate\(\): {field} must be"):

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from vaswani_hf.kernels_vaswani import has_onednn_linear
 from vaswani_training.cpu_tuning import MALLOC_ENV, ONEDNN_CACHE_ENV, bound_onednn_caches
 
-ROOT = Path(__file__).resolve().parents[1]
 MALLOC_PROBE = """
 import resource, sys
 sys.path.insert(0, {root!r})

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_model, padded_batch
+from helpers import padded_batch, tiny_model
 from transformers import MarianConfig, MarianMTModel
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, conversion_marian, train_joint_bpe
@@ -133,7 +133,7 @@ def test_permutation_puts_sines_first():
     """Marian's dimension k < d/2 is our dimension 2k (a sine), its dimension d/2 + k our 2k + 1 (a cosine), §3.5."""
     assert marian_permutation(8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
     assert marian_permutation(5).tolist() == [0, 2, 4, 1, 3]
-    model = make_tiny_model()
+    model = tiny_model()
     ours, marian = model.model.encoder.embed_positions.weight, to_marian(model).model.encoder.embed_positions.weight
     assert torch.allclose(ours[:, marian_permutation(ours.shape[1])], marian, atol=1e-6)
 
@@ -169,7 +169,7 @@ def test_wrong_permutation_misses_the_tolerance(model, tokenizer, test_pairs, mo
     {"d_model": 45, "num_heads": 3},  # odd width: Marian puts ceil(d/2) sines first
 ], ids=["paper", "separate-embeddings", "separate-vocabularies", "untied-softmax", "unscaled", "odd-width"])
 def test_every_mappable_config_gives_the_same_logits(overrides):
-    model = make_tiny_model(seed=3, **overrides)
+    model = tiny_model(seed=3, **overrides)
     marian = to_marian(model).eval()
     ids, mask = padded_batch(seed=1, batch=3, length=9)
     target, target_mask = padded_batch(seed=2, batch=3, length=7, vocab=model.config.decoder_vocab_size)
@@ -349,7 +349,7 @@ def test_a_random_marian_imports_with_its_logits(monkeypatch, permutation):
 ])
 def test_to_marian_refuses_what_marian_cannot_hold(overrides, field):
     with pytest.raises(ValueError, match=field):
-        to_marian(make_tiny_model(**overrides))
+        to_marian(tiny_model(**overrides))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -378,4 +378,4 @@ def test_other_objects_are_refused():
     with pytest.raises(TypeError, match="VaswaniForConditionalGeneration"):
         to_marian(_random_marian())
     with pytest.raises(TypeError, match="MarianMTModel"):
-        from_marian(make_tiny_model())
+        from_marian(tiny_model())

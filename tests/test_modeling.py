@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_tiny_config, make_tiny_model, padded_batch
+from helpers import padded_batch, tiny_config, tiny_model
 from safetensors import safe_open
 from transformers import (
     AttentionInterface,
@@ -37,7 +37,7 @@ def labels_for(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def test_default_implementation_is_sdpa_and_eager_matches_it_with_padding():
-    model = make_tiny_model()
+    model = tiny_model()
     assert model.config._attn_implementation == "sdpa"
     ids, mask = padded_batch(length=9)
     target, target_mask = padded_batch(seed=1, length=7)
@@ -65,7 +65,7 @@ def test_attention_goes_through_transformers_attention_interface():
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("vaswani_counting", counting_attention)
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     target = torch.randint(4, 99, (3, 5))
     with torch.no_grad():
@@ -91,7 +91,7 @@ def test_eager_attention_is_equation_1():
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_decoder_cannot_see_future_tokens(implementation):
-    model = make_tiny_model()
+    model = tiny_model()
     model.set_attn_implementation(implementation)
     ids, mask = padded_batch(length=8)
     target = torch.randint(4, 99, (3, 10))
@@ -107,7 +107,7 @@ def test_decoder_cannot_see_future_tokens(implementation):
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_padded_source_positions_are_invisible(implementation):
-    model = make_tiny_model()
+    model = tiny_model()
     model.set_attn_implementation(implementation)
     ids, mask = padded_batch(length=9)
     scrambled = ids.clone()
@@ -127,7 +127,7 @@ def test_padded_source_positions_are_invisible(implementation):
 
 def test_decoder_padding_mask_hides_padded_target_keys():
     # Left padding: right padding lies in every real position's future, hidden by the causal mask alone.
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=6)
     target = torch.randint(4, 99, (3, 8))
     target_mask = torch.ones_like(target)
@@ -144,7 +144,7 @@ def test_decoder_padding_mask_hides_padded_target_keys():
 
 
 def test_output_attentions_and_hidden_states_counts_shapes_and_masks():
-    model = make_tiny_model()  # sdpa: output_attentions runs the eager reference
+    model = tiny_model()  # sdpa: output_attentions runs the eager reference
     ids, mask = padded_batch(length=9)
     target = torch.randint(4, 99, (3, 5))
     with torch.no_grad():
@@ -188,7 +188,7 @@ def test_sinusoidal_table_matches_the_formula_by_hand():
 
 
 def test_sinusoidal_encoding_is_not_saved_and_is_right_after_from_pretrained(tmp_path):
-    model = make_tiny_model(max_position_embeddings=16)
+    model = tiny_model(max_position_embeddings=16)
     model.save_pretrained(tmp_path)
     with safe_open(tmp_path / "model.safetensors", "pt") as handle:
         keys = list(handle.keys())
@@ -201,8 +201,8 @@ def test_sinusoidal_encoding_is_not_saved_and_is_right_after_from_pretrained(tmp
 
 
 def test_inputs_longer_than_the_table_work_and_match_a_larger_table():
-    short = make_tiny_model(seed=4, max_position_embeddings=8)
-    long = make_tiny_model(seed=4, max_position_embeddings=64)
+    short = tiny_model(seed=4, max_position_embeddings=8)
+    long = tiny_model(seed=4, max_position_embeddings=64)
     ids = torch.randint(4, 99, (2, 13))
     target = torch.randint(4, 99, (2, 11))
     with torch.no_grad():
@@ -222,14 +222,14 @@ def test_inputs_longer_than_the_table_work_and_match_a_larger_table():
 
 
 def test_learned_positions_refuse_too_long_inputs():
-    model = make_tiny_model(position_embedding_type="learned", max_position_embeddings=8)
+    model = tiny_model(position_embedding_type="learned", max_position_embeddings=8)
     with pytest.raises(ValueError, match="longer than max_position_embeddings=8"):
         model(input_ids=torch.randint(4, 99, (1, 9)), decoder_input_ids=torch.ones(1, 3, dtype=torch.long))
 
 
 def test_a_very_long_input_is_refused_before_its_attention_is_allocated(monkeypatch):
     # 50,000 source positions would need a (1, 1, 50000, 50000) fp32 mask (9.3 GiB) and as many scores per head.
-    model = make_tiny_model()
+    model = tiny_model()
     assert model.config.max_positions == configuration_vaswani.SINUSOIDAL_MAX_POSITIONS == 16384
     allocated = []
     monkeypatch.setattr(modeling, "_additive", lambda blocked, dtype: allocated.append(blocked.shape))
@@ -240,9 +240,9 @@ def test_a_very_long_input_is_refused_before_its_attention_is_allocated(monkeypa
                   decoder_input_ids=torch.ones(1, target, dtype=torch.long))
     assert all(max(shape) <= 5 for shape in allocated)  # refused before a mask of the long side was built
     assert model.model.encoder.embed_positions.weight.shape[0] == 64  # nor was the table grown
-    larger = make_tiny_model(max_position_embeddings=20_000)
+    larger = tiny_model(max_position_embeddings=20_000)
     assert larger.config.max_positions == 20_000  # the config raises the limit
-    learned = make_tiny_model(position_embedding_type="learned", max_position_embeddings=8)
+    learned = tiny_model(position_embedding_type="learned", max_position_embeddings=8)
     assert learned.config.max_positions == 8
 
 
@@ -259,7 +259,7 @@ def test_translate_sentences_refuses_an_over_long_sentence_before_any_batch(tiny
     for overrides, pattern in ((dict(position_embedding_type="learned", max_position_embeddings=40),
                                 r"sentence 4: Sequence of \d+ tokens is longer than max_position_embeddings=40"),
                                (dict(max_position_embeddings=8), None)):
-        model = make_tiny_model(vocab_size=len(tiny_tokenizer), **overrides)
+        model = tiny_model(vocab_size=len(tiny_tokenizer), **overrides)
         if pattern is None:  # sinusoidal: over the table is fine, over the limit (40 here) is not
             monkeypatch.setattr(configuration_vaswani, "SINUSOIDAL_MAX_POSITIONS", 40)
             pattern = r"sentence 4: Sequence of \d+ tokens is longer than the 40 positions this model attends over"
@@ -268,8 +268,8 @@ def test_translate_sentences_refuses_an_over_long_sentence_before_any_batch(tiny
         assert calls == []
     # Without the long one, outputs stop at the last position a learned model has (40, the start token included),
     # where sources of 23 tokens would allow 50 more.
-    model = make_tiny_model(vocab_size=len(tiny_tokenizer), position_embedding_type="learned",
-                            max_position_embeddings=40)
+    model = tiny_model(vocab_size=len(tiny_tokenizer), position_embedding_type="learned",
+                       max_position_embeddings=40)
     assert len(tiny_tokenizer(sentences[0])["input_ids"]) == 23 and len(tiny_tokenizer(sentences[4])["input_ids"]) > 40
     translate_sentences(model, tiny_tokenizer, sentences[:4], batch_size=2, generate_fn=generate, num_beams=2,
                         min_new_tokens=60)
@@ -282,7 +282,7 @@ def test_translate_sentences_refuses_an_over_long_sentence_before_any_batch(tiny
 @pytest.mark.parametrize("name", ["past_key_values", "cache"])
 def test_incremental_decoding_with_the_cache_matches_a_full_forward(name):
     """Under either name of the cache keyword: `past_key_values` (transformers < 5.24) or `cache` (>= 5.24)."""
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     target = torch.randint(4, 99, (3, 7))
     with torch.no_grad(), warnings.catch_warnings():
@@ -302,7 +302,7 @@ def test_incremental_decoding_with_the_cache_matches_a_full_forward(name):
 
 
 def test_the_cache_under_both_names_is_refused():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
     with pytest.raises(ValueError, match="Pass the cache once"):
@@ -321,7 +321,7 @@ def _grads(model, **inputs):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    model = make_tiny_model(dropout=0.0).train()
+    model = tiny_model(dropout=0.0).train()
     ids, mask = padded_batch(length=9)
     labels = labels_for(*padded_batch(seed=2, length=7))
     loss, grads = _grads(model, input_ids=ids, attention_mask=mask, labels=labels)
@@ -344,7 +344,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_loss_is_mean_token_cross_entropy_over_labelled_positions():
-    model = make_tiny_model(label_smoothing=0.0)
+    model = tiny_model(label_smoothing=0.0)
     ids, mask = padded_batch(length=9)
     labels = labels_for(*padded_batch(seed=2, length=7))
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
@@ -364,7 +364,7 @@ def test_loss_is_mean_token_cross_entropy_over_labelled_positions():
 @pytest.mark.parametrize("training", [True, False])
 def test_a_batch_without_labels_has_a_finite_zero_loss_that_keeps_the_graph(training):
     # fairseq's: the sum over no tokens is 0; transformers' mean over none would be 0 / 0 = NaN.
-    model = make_tiny_model().train(training)
+    model = tiny_model().train(training)
     ids, mask = padded_batch(length=9)
     nothing = torch.full((3, 5), -100)
     for extra in (dict(), dict(num_items_in_batch=0), dict(num_items_in_batch=torch.tensor(0)),
@@ -383,7 +383,7 @@ def test_a_batch_without_labels_has_a_finite_zero_loss_that_keeps_the_graph(trai
 def test_loss_is_plain_cross_entropy_unless_label_smoothing_is_passed():
     # transformers' convention: forward returns plain cross-entropy, whatever config.label_smoothing says; the
     # training recipe asks for the smoothing of §5.4 explicitly.
-    model = make_tiny_model()
+    model = tiny_model()
     assert model.config.label_smoothing == 0.1
     ids, mask = padded_batch(length=9)
     labels = labels_for(*padded_batch(seed=2, length=7))
@@ -400,7 +400,7 @@ def test_loss_is_plain_cross_entropy_unless_label_smoothing_is_passed():
 def test_loss_is_exact_under_gradient_accumulation():
     """Summing two micro-batches' losses, each divided by the whole batch's token count (as Trainer passes
     num_items_in_batch), gives the full-batch loss and gradients; a mean of per-micro-batch means does not."""
-    model = make_tiny_model(dropout=0.0).train()
+    model = tiny_model(dropout=0.0).train()
     ids, mask = padded_batch(batch=4, length=9)
     target, target_mask = padded_batch(seed=5, batch=4, length=8)
     target_mask[:2] = 1  # uneven token counts between the two halves: 16 vs 6 + 2
@@ -423,7 +423,7 @@ def test_loss_is_exact_under_gradient_accumulation():
 
 
 def test_trainer_label_smoothing_factor_matches_the_models_own_loss(tmp_path):
-    model = make_tiny_model(dropout=0.0, label_smoothing=0.1)
+    model = tiny_model(dropout=0.0, label_smoothing=0.1)
     ids, mask = padded_batch(length=9)
     labels = labels_for(*padded_batch(seed=2, length=7))
     own = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1).loss
@@ -446,7 +446,7 @@ def test_trainer_takes_only_labels_for_labels_and_evaluates_with_eval_loss_and_l
     keyword of `**kwargs`, so a plain `Trainer`'s or `Seq2SeqTrainer`'s `evaluate()` returns the unsmoothed
     `eval_loss` and `predict()` the `label_ids`, with or without `predict_with_generate`."""
     assert find_labels(VaswaniForConditionalGeneration) == ["labels"]
-    model = make_tiny_model(dropout=0.0, label_smoothing=0.1)
+    model = tiny_model(dropout=0.0, label_smoothing=0.1)
     ids, mask = padded_batch(batch=4, length=9)
     labels = labels_for(*padded_batch(seed=2, batch=4, length=7))
     examples = [dict(input_ids=ids[i], attention_mask=mask[i], labels=labels[i]) for i in range(4)]
@@ -478,7 +478,7 @@ def test_trainer_takes_only_labels_for_labels_and_evaluates_with_eval_loss_and_l
 
 
 def test_inputs_embeds_are_equivalent_to_input_ids():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     target = torch.randint(4, 99, (3, 5))
     with torch.no_grad():
@@ -489,7 +489,7 @@ def test_inputs_embeds_are_equivalent_to_input_ids():
 
 
 def test_eval_is_deterministic_and_train_mode_applies_dropout():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     target = torch.randint(4, 99, (3, 5))
     with torch.no_grad():
@@ -503,7 +503,7 @@ def test_eval_is_deterministic_and_train_mode_applies_dropout():
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_a_padded_batch_equals_each_sentence_alone(implementation):
-    model = make_tiny_model()
+    model = tiny_model()
     model.set_attn_implementation(implementation)
     ids, mask = padded_batch(length=9)
     target, target_mask = padded_batch(seed=1, length=7)
@@ -520,7 +520,7 @@ def test_a_padded_batch_equals_each_sentence_alone(implementation):
 
 
 def test_bad_inputs_raise_clear_errors():
-    model = make_tiny_model()
+    model = tiny_model()
     ids = torch.randint(4, 99, (2, 5))
     with pytest.raises(ValueError, match="input_ids holds token id 120, outside this model's vocabulary of 99"):
         model(input_ids=torch.tensor([[5, 120]]), decoder_input_ids=ids)
@@ -534,7 +534,7 @@ def test_the_stacks_return_model_outputs_and_tuples_on_request():
     # get_encoder()/get_decoder() are what transformers' export and generation helpers call directly.
     from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions
 
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     with torch.no_grad():
         encoded = model.get_encoder()(input_ids=ids, attention_mask=mask)
@@ -559,8 +559,8 @@ def test_the_stacks_return_model_outputs_and_tuples_on_request():
 
 def test_initialization():
     torch.manual_seed(0)
-    config = make_tiny_config(vocab_size=4000, d_model=64, d_ff=256, encoder_layers=1, decoder_layers=1,
-                              tie_word_embeddings=False)
+    config = tiny_config(vocab_size=4000, d_model=64, d_ff=256, encoder_layers=1, decoder_layers=1,
+                         tie_word_embeddings=False)
     model = VaswaniForConditionalGeneration(config)
     layer = model.model.decoder.layers[0]
     for linear in (layer.fc1, layer.fc2, layer.self_attn.out_proj, layer.encoder_attn.out_proj):
@@ -586,7 +586,7 @@ def test_initialization():
 def test_no_split_modules_are_the_layers():
     assert VaswaniForConditionalGeneration._no_split_modules == ["VaswaniEncoderLayer", "VaswaniDecoderLayer"]
     assert all(hasattr(modeling, name) for name in VaswaniForConditionalGeneration._no_split_modules)
-    model = make_tiny_model()
+    model = tiny_model()
     assert {type(m).__name__ for m in model.modules()} >= set(VaswaniForConditionalGeneration._no_split_modules)
 
 
@@ -604,7 +604,7 @@ def test_parameter_count_of_the_base_model_is_exact():
     # what is counted: one shared 37000 x 512 matrix + 6 encoder layers x 3,152,384 + 6 decoder layers x 4,204,032
     assert 37000 * 512 + 6 * 3_152_384 + 6 * 4_204_032 == 63_082_496
     # vocab_size 3: the smallest vocabulary that holds <pad>, <s> and </s>
-    config = make_tiny_config(d_model=512, num_heads=8, d_ff=2048, vocab_size=3)
+    config = tiny_config(d_model=512, num_heads=8, d_ff=2048, vocab_size=3)
     with torch.device("meta"):
         model = VaswaniForConditionalGeneration(config)
     assert sum(p.numel() for p in model.model.encoder.layers[0].parameters()) == 3_152_384
@@ -617,9 +617,9 @@ def test_parameter_count_of_the_big_model_is_about_213m():
 
 
 def test_untied_embeddings_add_their_matrices_to_the_count():
-    shared = _count(make_tiny_config())
-    assert _count(make_tiny_config(tie_word_embeddings=False)) == shared + 99 * 32
-    assert _count(make_tiny_config(tie_word_embeddings=False, share_encoder_decoder_embeddings=False)) == \
+    shared = _count(tiny_config())
+    assert _count(tiny_config(tie_word_embeddings=False)) == shared + 99 * 32
+    assert _count(tiny_config(tie_word_embeddings=False, share_encoder_decoder_embeddings=False)) == \
         shared + 2 * 99 * 32
 
 
@@ -635,7 +635,7 @@ def _assert_tied(model):
 
 
 def test_save_and_load_round_trip_keeps_logits_and_one_tied_matrix(tmp_path):
-    model = make_tiny_model()
+    model = tiny_model()
     _assert_tied(model)
     ids, mask = padded_batch(length=9)
     target = torch.randint(4, 99, (3, 5))
@@ -660,7 +660,7 @@ def test_save_and_load_round_trip_keeps_logits_and_one_tied_matrix(tmp_path):
 
 
 def test_untied_model_saves_and_loads_both_matrices(tmp_path):
-    model = make_tiny_model(tie_word_embeddings=False)
+    model = tiny_model(tie_word_embeddings=False)
     assert model.lm_head.weight is not model.model.shared.weight
     model.save_pretrained(tmp_path)
     reloaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path)
@@ -670,7 +670,7 @@ def test_untied_model_saves_and_loads_both_matrices(tmp_path):
 
 
 def test_training_a_tied_model_keeps_one_matrix():
-    model = make_tiny_model().train()
+    model = tiny_model().train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     ids, mask = padded_batch(length=9)
     before = model.model.shared.weight.detach().clone()
@@ -682,7 +682,7 @@ def test_training_a_tied_model_keeps_one_matrix():
 
 @pytest.mark.parametrize("new_size", [120, 80])
 def test_resize_token_embeddings(new_size, tmp_path):
-    model = make_tiny_model()
+    model = tiny_model()
     old = model.model.shared.weight.detach().clone()
     model.resize_token_embeddings(new_size)
     assert model.config.vocab_size == new_size
@@ -704,7 +704,7 @@ def test_resize_token_embeddings(new_size, tmp_path):
                                        dict(share_encoder_decoder_embeddings=False, target_vocab_size=57),
                                        dict(tie_word_embeddings=False)])
 def test_resize_token_embeddings_without_full_sharing(overrides, tmp_path):
-    model = make_tiny_model(**overrides)
+    model = tiny_model(**overrides)
     target_size = overrides.get("target_vocab_size", 99)
     model.resize_token_embeddings(120, mean_resizing=False)
     assert model.config.vocab_size == 120
@@ -731,7 +731,7 @@ def test_checkpoints_with_fused_input_projections_still_load(tmp_path):
     # fused `kv_proj` (D -> 2D) load into the separate q_proj, k_proj, v_proj, with the same outputs.
     from safetensors.torch import load_file, save_file
 
-    model = make_tiny_model(seed=4)
+    model = tiny_model(seed=4)
     model.save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     old = {}

@@ -16,62 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import exits_with, make_tiny_model
+from helpers import PLANTED_TOKEN, copy_run, exits_with, listing, tiny_model, train_cli, translate_cli
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
 from vaswani_hf.checks import CheckError, RunLock, check_model_folder, read_json, safetensors_problem
 
-TOKEN = "hf_PLANTEDsecretTOKEN0123456789abcdef"
-TINY_RUN = ["--preset", "tiny", "--max_train_samples", "120", "--max_test_samples", "2", "--eval_strategy", "no",
-            "--num_samples", "0", "--cpu_bf16", "no", "--disable_tqdm", "true", "--report_to", "none"]
-
-
-def train(output_dir: Path, cache: Path, *args: str) -> dict:
-    from vaswani_training.train import main
-
-    return main([*TINY_RUN, "--output_dir", str(output_dir), "--cache_dir", str(cache), *args])
-
-
-def listing(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def translate_cli(*args) -> int:
-    from vaswani_training.translate import main
-
-    return main([str(a) for a in args])
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, cache):
-    """A tiny run with the dashed `--max-steps 3`, a checkpoint every step, averaging of the last 2, and a planted Hub
-    token (no push)."""
-    out = tmp_path_factory.mktemp("run")
-    metrics = train(out, cache, "--max-steps", "3", "--save_steps", "1", "--average_last", "2",
-                    "--hub_token", TOKEN)
-    return out, metrics
-
-
-@pytest.fixture
-def model_folder(tmp_path, tiny_tokenizer):
-    folder = tmp_path / "model"
-    make_tiny_model(vocab_size=len(tiny_tokenizer)).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
-
-
 # Flags mean what they say ---------------------------------------------------------------------------------------------
 
 
-def test_the_dashed_max_steps_overrides_the_preset(run):
-    out, metrics = run
+def test_the_dashed_max_steps_overrides_the_preset(tiny_run):
+    out, metrics = tiny_run
     assert metrics["train_steps"] == 3  # the tiny preset's max_steps is 20
     assert sorted(p.name for p in out.glob("checkpoint-*"))[-1] == "checkpoint-3"
 
@@ -88,15 +44,15 @@ def test_given_flags_counts_every_spelling():
         parser.parse_args_into_dataclasses(args=["--max_st", "3", "--output_dir", "x"])
 
 
-def test_config_overrides_are_refused_with_a_saved_model(tmp_path, model_folder, cache):
+def test_config_overrides_are_refused_with_a_saved_model(tmp_path, model_folder, train_cache):
     with pytest.raises(CheckError, match="--config_overrides .* cannot apply to --model_name_or_path"):
-        train(tmp_path / "out", cache, "--model_name_or_path", str(model_folder), "--config_overrides", "d_ff=8")
+        train_cli(tmp_path / "out", train_cache, "--model_name_or_path", model_folder, "--config_overrides", "d_ff=8")
     assert not (tmp_path / "out").exists()
 
 
-def test_a_truthy_string_for_a_bool_override_is_refused(tmp_path, cache):
+def test_a_truthy_string_for_a_bool_override_is_refused(tmp_path, train_cache):
     with pytest.raises(ValueError, match="normalize_before must be true or false .* got 'no'"):
-        train(tmp_path / "out", cache, "--max_steps", "1", "--config_overrides", "normalize_before=no")
+        train_cli(tmp_path / "out", train_cache, "--max_steps", "1", "--config_overrides", "normalize_before=no")
     assert not list((tmp_path / "out").glob("checkpoint-*"))
 
 
@@ -110,14 +66,14 @@ def test_gnmt_decoding_honours_max_new_tokens(model_folder, tmp_path, tiny_token
         assert len(tiny_tokenizer(line, add_special_tokens=False)["input_ids"]) <= 2
 
 
-def test_average_last_is_checked_before_training(tmp_path, cache):
+def test_average_last_is_checked_before_training(tmp_path, train_cache):
     from vaswani_training.run_checks import check_average_last
 
     with pytest.raises(CheckError, match="--save_total_limit 2 deletes all but 2"):
-        train(tmp_path / "a", cache, "--max_steps", "4", "--save_steps", "1", "--average_last", "3",
-              "--save_total_limit", "2")
+        train_cli(tmp_path / "a", train_cache, "--max_steps", "4", "--save_steps", "1", "--average_last", "3",
+                  "--save_total_limit", "2")
     with pytest.raises(CheckError, match="writes only 1 checkpoint"):
-        train(tmp_path / "b", cache, "--max_steps", "4", "--save_steps", "4", "--average_last", "5")
+        train_cli(tmp_path / "b", train_cache, "--max_steps", "4", "--save_steps", "4", "--average_last", "5")
     for folder in (tmp_path / "a", tmp_path / "b"):
         assert not list(folder.glob("checkpoint-*")), "refused before any training"
     # The default limit (not the user's choice) is raised to what averaging needs.
@@ -128,42 +84,42 @@ def test_average_last_is_checked_before_training(tmp_path, cache):
 # Never destroy ------------------------------------------------------------------------------------------------------
 
 
-def test_averaging_uses_only_this_runs_checkpoints(run):
-    out, _ = run
+def test_averaging_uses_only_this_runs_checkpoints(tiny_run):
+    out, _ = tiny_run
     averaged = json.loads((out / "averaged_from.json").read_text())["averaged_checkpoints"]
     assert [Path(p).name for p in averaged] == ["checkpoint-2", "checkpoint-3"]
 
 
-def test_another_runs_folder_is_refused_unless_overwritten(run, tmp_path, cache):
-    earlier, _ = run
+def test_another_runs_folder_is_refused_unless_overwritten(tiny_run, tmp_path, train_cache):
+    earlier, _ = tiny_run
     folder = tmp_path / "shared"
     for step in (100, 200):  # an earlier, longer run's checkpoints: newer by step than anything the new run writes
         shutil.copytree(earlier / "checkpoint-3", folder / f"checkpoint-{step}")
     before = listing(folder)
     with pytest.raises(CheckError, match="holds another run .* --overwrite_output_dir"):
-        train(folder, cache, "--max_steps", "2", "--save_steps", "1", "--average_last", "2")
+        train_cli(folder, train_cache, "--max_steps", "2", "--save_steps", "1", "--average_last", "2")
     assert listing(folder) == before, "nothing written into the earlier run"
-    train(folder, cache, "--max_steps", "2", "--save_steps", "1", "--average_last", "2", "--overwrite_output_dir")
+    train_cli(folder, train_cache, "--max_steps", "2", "--save_steps", "1", "--average_last", "2",
+              "--overwrite_output_dir")
     averaged = json.loads((folder / "averaged_from.json").read_text())["averaged_checkpoints"]
     assert [Path(p).name for p in averaged] == ["checkpoint-1", "checkpoint-2"]
 
 
-def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, cache):
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, train_cache):
     folder = tmp_path / "busy"
     with RunLock(folder):
         with pytest.raises(CheckError, match="another run is writing this folder"):
-            train(folder, cache, "--max_steps", "1")
+            train_cli(folder, train_cache, "--max_steps", "1")
     assert not list(folder.glob("checkpoint-*"))
     with RunLock(folder):  # released: the next run may take it
         pass
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "parent"])
-def test_export_never_replaces_the_model_folder(run, tmp_path, where):
+def test_export_never_replaces_the_model_folder(tiny_run, tmp_path, where):
     from vaswani_training.export import main as export_main
 
-    source = tmp_path / "run"
-    shutil.copytree(run[0], source)
+    source = copy_run(tiny_run, tmp_path)
     before = listing(source)
     output = {"same": source, "inside": source / "export", "parent": tmp_path}[where]
     exits_with(lambda: export_main(["--model_dir", str(source), "--output_dir", str(output), "--force"]),
@@ -172,11 +128,10 @@ def test_export_never_replaces_the_model_folder(run, tmp_path, where):
 
 
 @pytest.mark.parametrize("where", ["same", "parent"])
-def test_ct2_export_never_replaces_the_model_folder(run, tmp_path, where):
+def test_ct2_export_never_replaces_the_model_folder(tiny_run, tmp_path, where):
     from vaswani_training.export_ct2 import main as export_ct2_main
 
-    source = tmp_path / "run"
-    shutil.copytree(run[0], source)
+    source = copy_run(tiny_run, tmp_path)
     before = listing(source)
     output = source if where == "same" else tmp_path
     exits_with(lambda: export_ct2_main(["--model_dir", str(source), "--output_dir", str(output), "--force"]),
@@ -184,23 +139,16 @@ def test_ct2_export_never_replaces_the_model_folder(run, tmp_path, where):
     assert listing(source) == before
 
 
-def test_averaging_never_replaces_the_runs_own_model(run, tmp_path):
+def test_averaging_never_replaces_the_runs_own_model(tiny_run, tmp_path):
     from vaswani_training.average_checkpoints import main as average_main
 
-    source = tmp_path / "run"
-    shutil.copytree(run[0], source)
+    source = copy_run(tiny_run, tmp_path)
     before = listing(source)
     for output in (source, tmp_path):
         exits_with(lambda: average_main(["--checkpoint_dir", str(source), "--last", "2", "--output_dir", str(output)]),
                    r"(is the same folder as|contains) --checkpoint_dir")
     assert listing(source) == before
     assert average_main(["--checkpoint_dir", str(source), "--last", "2", "--output_dir", str(source / "averaged")]) == 0
-
-
-def copy_run(run, tmp_path) -> Path:
-    source = tmp_path / "run"
-    shutil.copytree(run[0], source)
-    return source
 
 
 def plant_nan(checkpoint: Path) -> None:
@@ -213,10 +161,10 @@ def plant_nan(checkpoint: Path) -> None:
     save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
 
 
-def test_evaluate_never_replaces_the_runs_metrics(run, tmp_path):
+def test_evaluate_never_replaces_the_runs_metrics(tiny_run, tmp_path):
     from vaswani_training.evaluate_bleu import main as evaluate_main
 
-    source = copy_run(run, tmp_path)
+    source = copy_run(tiny_run, tmp_path)
     metrics = source / "metrics.json"
     before = metrics.read_bytes()
     exits_with(lambda: evaluate_main(["--model", str(source), "--output", str(metrics), "--max_test_samples", "2"]),
@@ -231,15 +179,15 @@ def test_evaluate_never_replaces_the_runs_metrics(run, tmp_path):
     assert scores["weights_sha256"] == json.loads(before)["weights_sha256"], "the same weights, the same fingerprint"
 
 
-def test_resuming_a_checkpoint_with_nan_weights_is_refused_before_training(run, tmp_path, cache):
-    source = copy_run(run, tmp_path)
+def test_resuming_a_checkpoint_with_nan_weights_is_refused_before_training(tiny_run, tmp_path, train_cache):
+    source = copy_run(tiny_run, tmp_path)
     plant_nan(source / "checkpoint-3")
     before = listing(source)
     for value in ("last", str(source / "checkpoint-3")):
         with pytest.raises(CheckError, match=re.escape(f"the weights of {source / 'checkpoint-3'} hold NaN or infinite "
                                                        f"values (1 tensor(s)") + r"[\s\S]*newest earlier checkpoint "
                                              r"with finite weights is .*checkpoint-2"):
-            train(source, cache, "--max_steps", "5", "--save_steps", "1", "--resume_from_checkpoint", value)
+            train_cli(source, train_cache, "--max_steps", "5", "--save_steps", "1", "--resume_from_checkpoint", value)
     assert listing(source) == before, "the run's model, metrics and translations are untouched"
 
 
@@ -248,30 +196,31 @@ def test_resuming_a_checkpoint_with_nan_weights_is_refused_before_training(run, 
     (["--preset", "cpu"], "--preset: the run has 'tiny', this command 'cpu'"),
     (["--lr_factor", "2.0"], "--lr_factor: the run has 1.0, this command 2.0"),
 ])
-def test_resuming_with_other_settings_is_refused_before_training(run, tmp_path, cache, flags, message):
-    source = copy_run(run, tmp_path)
+def test_resuming_with_other_settings_is_refused_before_training(tiny_run, tmp_path, train_cache, flags, message):
+    source = copy_run(tiny_run, tmp_path)
     before = listing(source)
     with pytest.raises(CheckError, match=re.escape(message) + ".*pass the run's values"):
-        train(source, cache, "--max_steps", "5", "--save_steps", "1", "--resume_from_checkpoint", "last", *flags)
+        train_cli(source, train_cache, "--max_steps", "5", "--save_steps", "1", "--resume_from_checkpoint", "last",
+                  *flags)
     assert listing(source) == before
 
 
-def test_resuming_a_checkpoint_without_settings_compares_the_models_shape(run, tmp_path, cache):
+def test_resuming_a_checkpoint_without_settings_compares_the_models_shape(tiny_run, tmp_path, train_cache):
     from vaswani_training.run_checks import RUN_SETTINGS
 
-    source = copy_run(run, tmp_path)
+    source = copy_run(tiny_run, tmp_path)
     (source / "checkpoint-3" / RUN_SETTINGS).unlink()
     with pytest.raises(CheckError, match=r"config d_model: the run has 32, this command 256"):
-        train(source, cache, "--max_steps", "5", "--resume_from_checkpoint", "last", "--preset", "cpu")
+        train_cli(source, train_cache, "--max_steps", "5", "--resume_from_checkpoint", "last", "--preset", "cpu")
 
 
-def test_a_resumed_run_with_too_few_checkpoints_to_average_is_refused_before_training(run, tmp_path, cache):
-    source = copy_run(run, tmp_path)
+def test_a_resumed_run_with_too_few_checkpoints_to_average_is_refused_before_training(tiny_run, tmp_path, train_cache):
+    source = copy_run(tiny_run, tmp_path)
     before = listing(source)
     with pytest.raises(CheckError, match=r"--average_last 5: resuming checkpoint-3 to --max_steps 4 with "
                                          r"--save_steps 1 leaves 4 checkpoint\(s\)"):
-        train(source, cache, "--max_steps", "4", "--save_steps", "1", "--resume_from_checkpoint", "last",
-              "--average_last", "5")
+        train_cli(source, train_cache, "--max_steps", "4", "--save_steps", "1", "--resume_from_checkpoint", "last",
+                  "--average_last", "5")
     assert listing(source) == before
 
 
@@ -282,21 +231,21 @@ def test_a_resumed_run_with_too_few_checkpoints_to_average_is_refused_before_tra
     (["--config_overrides", "pad_token_id=5"], "--config_overrides pad_token_id: set by the joint BPE"),
     (["--config_overrides", "d_model=64,vocab_size=300"], "--config_overrides vocab_size: set by the joint BPE"),
 ])
-def test_flags_that_would_be_ignored_or_crash_are_refused(tmp_path, cache, flags, message):
+def test_flags_that_would_be_ignored_or_crash_are_refused(tmp_path, train_cache, flags, message):
     with pytest.raises(CheckError, match=re.escape(message)):
-        train(tmp_path / "out", cache, "--max_steps", "1", *flags)
+        train_cli(tmp_path / "out", train_cache, "--max_steps", "1", *flags)
     assert not list((tmp_path / "out").glob("checkpoint-*"))
 
 
 def test_a_resumed_run_stopped_in_its_test_translation_leaves_no_old_metrics_beside_new_weights(
-        run, tmp_path, cache, monkeypatch):
+        tiny_run, tmp_path, train_cache, monkeypatch):
     """A resumed run writes its model, then is killed while it translates the test set: the earlier metrics and
     translations were moved aside first, so that the export publishes no BLEU for the new weights; put back, they are
     refused."""
     import vaswani_training.evaluate_bleu
     from vaswani_training.export import main as export_main
 
-    source = copy_run(run, tmp_path)
+    source = copy_run(tiny_run, tmp_path)
     old_metrics = (source / "metrics.json").read_bytes()
     old_translations = (source / "test_translations.txt").read_bytes()
 
@@ -305,7 +254,7 @@ def test_a_resumed_run_stopped_in_its_test_translation_leaves_no_old_metrics_bes
 
     monkeypatch.setattr(vaswani_training.evaluate_bleu, "evaluate_test_set", killed)
     with pytest.raises(KeyboardInterrupt):
-        train(source, cache, "--max_steps", "4", "--save_steps", "1", "--resume_from_checkpoint", "last")
+        train_cli(source, train_cache, "--max_steps", "4", "--save_steps", "1", "--resume_from_checkpoint", "last")
     assert (source / "checkpoint-4").is_dir()
     assert not (source / "metrics.json").exists() and not (source / "test_translations.txt").exists()
     assert (source / "metrics.step-3.json").read_bytes() == old_metrics, "kept, under another name"
@@ -321,10 +270,10 @@ def test_a_resumed_run_stopped_in_its_test_translation_leaves_no_old_metrics_bes
     assert not (tmp_path / "again").exists()
 
 
-def test_the_runs_outputs_follow_the_umask(run):
+def test_the_runs_outputs_follow_the_umask(tiny_run):
     from vaswani_hf.checks import current_umask
 
-    out, _ = run
+    out, _ = tiny_run
     mask = current_umask()
     for path in (out / "metrics.json", out / "test_translations.txt", out / "model.safetensors",
                  out / "averaged_from.json", out / "checkpoint-3" / "model.safetensors",
@@ -346,7 +295,7 @@ def test_atomic_writes_follow_the_umask(tmp_path, umask):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask
 
 
-def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, cache, monkeypatch):
+def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, train_cache, monkeypatch):
     """SIGTERM while the validation set is being translated: the batch ends at its next token, the rest of the
     validation set is skipped, the step's checkpoint is saved and the run ends without the test translation (a
     scheduler's SIGKILL follows), with metrics.json saying so."""
@@ -366,9 +315,9 @@ def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, cache,
 
     monkeypatch.setattr(Seq2SeqTrainer, "prediction_step", first_batch_then_sigterm)
     out = tmp_path / "out"
-    metrics = train(out, cache, "--max_steps", "6", "--save_steps", "100", "--eval_strategy", "steps",
-                    "--eval_steps", "2", "--max_eval_samples", "40", "--per_device_eval_batch_size", "4",
-                    "--generation_max_length", "128")
+    metrics = train_cli(out, train_cache, "--max_steps", "6", "--save_steps", "100", "--eval_strategy", "steps",
+                        "--eval_steps", "2", "--max_eval_samples", "40", "--per_device_eval_batch_size", "4",
+                        "--generation_max_length", "128")
     assert len(lengths) == 1 and lengths[0] <= 3, lengths  # 1 of 10 batches, cut after its first token
     assert metrics["train_steps"] == 2 and metrics["stopped_by"] == "SIGTERM" and "test_bleu" not in metrics
     assert json.loads((out / "metrics.json").read_text())["stopped_by"] == "SIGTERM"
@@ -380,15 +329,15 @@ def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, cache,
 # No secrets in files --------------------------------------------------------------------------------------------------
 
 
-def test_the_hub_token_is_in_no_file_of_a_run_or_an_export(run, tmp_path):
+def test_the_hub_token_is_in_no_file_of_a_run_or_an_export(tiny_run, tmp_path):
     from vaswani_training.export import main as export_main
 
-    out, _ = run
+    out, _ = tiny_run
     exported = tmp_path / "export"
-    assert export_main(["--model_dir", str(out), "--output_dir", str(exported), "--hub_token", TOKEN]) == 0
+    assert export_main(["--model_dir", str(out), "--output_dir", str(exported), "--hub_token", PLANTED_TOKEN]) == 0
     files = [p for folder in (out, exported) for p in folder.rglob("*") if p.is_file()]
     assert any(p.name == "training_args.bin" for p in files), "the search covers Trainer's pickled arguments"
-    leaked = [str(p) for p in files if TOKEN.encode() in p.read_bytes()]
+    leaked = [str(p) for p in files if PLANTED_TOKEN.encode() in p.read_bytes()]
     assert not leaked, f"the token was written to {leaked}"
 
 
@@ -415,10 +364,10 @@ def test_translate_output_is_checked_before_translating(model_folder, tmp_path, 
     assert source.read_text(encoding="utf-8") == "Ein Hund.\n"
 
 
-def test_run_output_dir_that_is_a_file_is_refused_before_work(tmp_path, cache):
+def test_run_output_dir_that_is_a_file_is_refused_before_work(tmp_path, train_cache):
     (tmp_path / "out").write_text("not a folder")
     with pytest.raises(CheckError, match="is a file, not a folder"):
-        train(tmp_path / "out", cache, "--max_steps", "1")
+        train_cli(tmp_path / "out", train_cache, "--max_steps", "1")
 
 
 def test_cuda_on_a_cpu_only_torch_is_refused(model_folder, tmp_path, monkeypatch):
@@ -540,12 +489,11 @@ def test_a_truncated_json_file_of_a_model_folder_is_named(model_folder, tmp_path
     exits_with(lambda: translate_cli("--model", model_folder, "--input", source), re.escape(f"{path}: not valid JSON"))
 
 
-def test_truncated_metrics_and_trainer_state_are_named(run, tmp_path):
+def test_truncated_metrics_and_trainer_state_are_named(tiny_run, tmp_path):
     from vaswani_training.export import main as export_main
     from vaswani_training.plot import plot_learning_curve
 
-    source = tmp_path / "run"
-    shutil.copytree(run[0], source)
+    source = copy_run(tiny_run, tmp_path)
     metrics = source / "metrics.json"
     metrics.write_text(metrics.read_text()[:20])
     exits_with(lambda: export_main(["--model_dir", str(source), "--output_dir", str(tmp_path / "e")]),
@@ -581,14 +529,14 @@ def test_read_json_names_the_file(tmp_path):
 
 
 def test_generate_refuses_an_empty_batch():
-    model = make_tiny_model()
+    model = tiny_model()
     for shape in ((0, 5), (2, 0)):
         with pytest.raises(ValueError, match="at least one sentence of at least one token"):
             model.generate(torch.zeros(shape, dtype=torch.long), max_new_tokens=3)
 
 
 def test_a_label_outside_the_vocabulary_is_named_even_in_the_last_position():
-    model = make_tiny_model()
+    model = tiny_model()
     labels = torch.tensor([[5, 6, 7, 99]])  # the last label never becomes a decoder input
     with pytest.raises(ValueError, match="labels hold token id 99, outside this model's target vocabulary of 99"):
         model(input_ids=torch.tensor([[5, 6, 2]]), labels=labels)
@@ -637,7 +585,7 @@ def pristine(tmp_path_factory, tiny_tokenizer):
     from vaswani_hf.inference import translate_sentences
 
     folder = tmp_path_factory.mktemp("pristine") / "model"
-    model = make_tiny_model(vocab_size=len(tiny_tokenizer))
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
     model.save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     sentences = ["Ein Hund läuft.", "Zwei Kinder spielen im Park."]

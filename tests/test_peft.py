@@ -9,7 +9,7 @@
 
 import pytest
 import torch
-from conftest import make_tiny_model, padded_batch
+from helpers import padded_batch, tiny_model
 
 peft = pytest.importorskip("peft", reason="needs PEFT: pip install peft")
 
@@ -27,7 +27,7 @@ def _expected(model, names=("q_proj", "v_proj")) -> set[str]:
 
 
 def test_q_proj_and_v_proj_adapt_every_attention_layer():
-    model = peft.get_peft_model(make_tiny_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     adapted = _adapted(model)
     assert adapted == _expected(model.base_model.model)
     assert len(adapted) == 2 * (2 + 2 * 2)  # q and v of 2 encoder and 2 x 2 decoder attentions
@@ -35,13 +35,13 @@ def test_q_proj_and_v_proj_adapt_every_attention_layer():
 
 def test_the_default_target_modules_are_query_and_value():
     config = peft.LoraConfig(r=4, task_type=peft.TaskType.SEQ_2_SEQ_LM)  # no target_modules
-    model = peft.get_peft_model(make_tiny_model(), config)
+    model = peft.get_peft_model(tiny_model(), config)
     assert _adapted(model) == _expected(model.base_model.model)
 
 
 def test_lora_fine_tune_trains_the_adapters_and_generate_uses_them(tmp_path):
     torch.manual_seed(0)
-    base = make_tiny_model(dropout=0.0)
+    base = tiny_model(dropout=0.0)
     frozen = {name: p.detach().clone() for name, p in base.named_parameters()}
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
                              task_type=peft.TaskType.SEQ_2_SEQ_LM)
@@ -69,11 +69,11 @@ def test_lora_fine_tune_trains_the_adapters_and_generate_uses_them(tmp_path):
     kwargs = dict(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=6)
     with torch.no_grad():
         adapted = model.generate(**kwargs)
-        plain = make_tiny_model(dropout=0.0).generate(**kwargs)
+        plain = tiny_model(dropout=0.0).generate(**kwargs)
     assert not torch.equal(adapted, plain)  # the adapters change the translations
 
     model.save_pretrained(tmp_path)
-    reloaded = peft.PeftModel.from_pretrained(make_tiny_model(dropout=0.0), tmp_path).eval()
+    reloaded = peft.PeftModel.from_pretrained(tiny_model(dropout=0.0), tmp_path).eval()
     merged = reloaded.merge_and_unload()
     with torch.no_grad():
         assert torch.equal(merged.generate(**kwargs), adapted)

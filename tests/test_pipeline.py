@@ -4,7 +4,7 @@ bad tasks, inputs and batch sizes before any work."""
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_model
+from helpers import save_model_folder, tiny_model
 from transformers import pipeline
 
 from vaswani_hf.pipeline import TranslationPipeline, TranslationTaskError, parse_translation_task
@@ -14,10 +14,7 @@ GENERATE = dict(max_new_tokens=6, num_beams=2)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, tiny_tokenizer):
-    path = tmp_path_factory.mktemp("pipeline") / "model"
-    make_tiny_model(seed=3, vocab_size=len(tiny_tokenizer)).save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return str(path)
+    return str(save_model_folder(tmp_path_factory.mktemp("pipeline") / "model", tiny_tokenizer, seed=3))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +59,7 @@ def test_a_malformed_language_pair_is_refused(task, folder):
 
 
 def test_a_pair_the_config_does_not_declare_is_refused(tiny_tokenizer):
-    model = make_tiny_model(seed=3, vocab_size=len(tiny_tokenizer))
+    model = tiny_model(seed=3, vocab_size=len(tiny_tokenizer))
     model.config.task_specific_params = {"translation_de_to_en": {}}
     with pytest.raises(ValueError, match="does not translate en to de; .* declares translation_de_to_en"):
         pipeline("translation_en_to_de", model=model, tokenizer=tiny_tokenizer)

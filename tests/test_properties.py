@@ -7,7 +7,7 @@ Multi30k, so most arbitrary characters are unseen and go through byte fallback.
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from helpers import tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -91,7 +91,7 @@ def padded_batches(draw):
 @given(padded_batches(), st.sampled_from(["sdpa", "eager"]), st.booleans())
 def test_outputs_have_the_right_shape_are_finite_and_ignore_padding(data, implementation, pre_ln):
     source, source_mask, source_lengths, target, target_mask, target_lengths = data
-    model = make_tiny_model(seed=1, normalize_before=pre_ln)
+    model = tiny_model(seed=1, normalize_before=pre_ln)
     model.set_attn_implementation(implementation)
     with torch.no_grad():
         out = model(input_ids=source, attention_mask=source_mask, decoder_input_ids=target,

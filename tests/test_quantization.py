@@ -14,7 +14,7 @@ import warnings
 import pytest
 import sacrebleu
 import torch
-from conftest import make_tiny_model, padded_batch
+from helpers import padded_batch, tiny_model
 from torch import nn
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, train_joint_bpe
@@ -43,7 +43,7 @@ def _is_quantized(module: nn.Module) -> bool:
 
 
 def test_quantize_dynamic_finds_every_linear_map_and_the_model_still_generates():
-    model = make_tiny_model()
+    model = tiny_model()
     quantized = _quantize(model)
     # 6 attentions (2 encoder self, 2 decoder self, 2 encoder-decoder) x 4 projections, 4 layers x 2 FFN linears and
     # the output projection

@@ -27,13 +27,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, tiny_config
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 CI_RUN = ROOT / ".ci" / "run"
 MODEL_PATH = "outputs/multi30k-de-en"  # where the main job leaves its model and the README's snippets load it from
@@ -224,12 +224,11 @@ RUN_SCRIPT = textwrap.dedent(
 
 
 @pytest.fixture
-def main_job_folder(tmp_path, tiny_config, tiny_tokenizer):
+def main_job_folder(tmp_path, tiny_tokenizer):
     """A folder whose outputs/multi30k-de-en holds a tiny model and its tokenizer, as the main job leaves them."""
     from vaswani_hf import VaswaniForConditionalGeneration
 
-    tiny_config.vocab_size = len(tiny_tokenizer)
-    model = VaswaniForConditionalGeneration(tiny_config).eval()
+    model = VaswaniForConditionalGeneration(tiny_config(vocab_size=len(tiny_tokenizer))).eval()
     model.generation_config.max_length = 16  # an untrained model rarely ends a sentence: bound its beam search
     model.save_pretrained(tmp_path / MODEL_PATH)
     tiny_tokenizer.save_pretrained(tmp_path / MODEL_PATH)

@@ -13,7 +13,7 @@ padded layout.
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from helpers import tiny_model
 
 from vaswani_hf.kernels_vaswani import RealTokens
 
@@ -88,7 +88,7 @@ def needed_positions(labels):
 
 @pytest.mark.parametrize("normalize_before", [False, True])
 def test_packed_step_equals_the_padded_step(normalize_before, monkeypatch):
-    model = make_tiny_model(dropout=0.0, normalize_before=normalize_before).train()
+    model = tiny_model(dropout=0.0, normalize_before=normalize_before).train()
     ids, mask, labels = batch()
     fused, fused_grads = step(model, ids, mask, labels, True, monkeypatch)  # projection and loss fused: no logits
     packed, packed_grads = step(model, ids, mask, labels, True, monkeypatch, skip_logits=False)
@@ -122,7 +122,7 @@ def test_packed_step_equals_the_padded_step(normalize_before, monkeypatch):
 
 def test_the_packed_step_really_runs_on_fewer_rows(monkeypatch):
     """The FFN sees N rows (the real tokens), not B * L: 30 source and 24 target positions here, of 36 and 28."""
-    model = make_tiny_model(dropout=0.0).train()
+    model = tiny_model(dropout=0.0).train()
     ids, mask, labels = batch()
     rows = []
 
@@ -140,7 +140,7 @@ def test_the_packed_step_really_runs_on_fewer_rows(monkeypatch):
 
 
 def test_packed_step_under_gradient_checkpointing_and_bf16(monkeypatch):
-    model = make_tiny_model(dropout=0.0).train()
+    model = tiny_model(dropout=0.0).train()
     ids, mask, labels = batch(1)
     _, reference = step(model, ids, mask, labels, False, monkeypatch)
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # 5.17
@@ -156,7 +156,7 @@ def test_packed_step_under_gradient_checkpointing_and_bf16(monkeypatch):
 def test_packed_step_in_bf16_on_a_trained_model(monkeypatch):
     # A copy model, whose loss depends on where each source token is (an untrained model's loss is about ln V
     # whatever the packing does), under bf16 autocast.
-    from _copy_task import trained_copy_model
+    from helpers import trained_copy_model
 
     model = trained_copy_model(steps=200).train()
     ids, mask, labels = copy_task_batch()
@@ -173,7 +173,7 @@ def test_packed_step_in_bf16_on_a_trained_model(monkeypatch):
 
 
 def test_dropout_still_trains_and_differs_between_steps(monkeypatch):
-    model = make_tiny_model(dropout=0.1).train()
+    model = tiny_model(dropout=0.1).train()
     ids, mask, labels = batch()
     first, grads = step(model, ids, mask, labels, True, monkeypatch)
     second, _ = step(model, ids, mask, labels, True, monkeypatch)
@@ -182,7 +182,7 @@ def test_dropout_still_trains_and_differs_between_steps(monkeypatch):
 
 
 def test_padded_layout_where_packing_would_change_or_gain_nothing(monkeypatch):
-    model = make_tiny_model(dropout=0.0).train()
+    model = tiny_model(dropout=0.0).train()
     ids, mask, labels = batch()
     calls = []
     original = RealTokens.__init__
@@ -216,7 +216,7 @@ def test_padded_layout_where_packing_would_change_or_gain_nothing(monkeypatch):
 
 
 def test_skip_logits_true_leaves_them_out_anywhere_with_the_same_loss():
-    model = make_tiny_model(dropout=0.0).eval()  # eval: the padded layout and the unfused loss
+    model = tiny_model(dropout=0.0).eval()  # eval: the padded layout and the unfused loss
     ids, mask, labels = batch()
     kept = model(input_ids=ids, attention_mask=mask, labels=labels)
     skipped = model(input_ids=ids, attention_mask=mask, labels=labels, skip_logits=True)
@@ -227,7 +227,7 @@ def test_skip_logits_true_leaves_them_out_anywhere_with_the_same_loss():
 def test_a_hooked_or_adapted_output_projection_keeps_its_own_forward(monkeypatch):
     """The fused loss multiplies by lm_head.weight itself; a hook on lm_head (as an adapter would change its output)
     must still shape the loss, so that step takes lm_head's forward."""
-    model = make_tiny_model(dropout=0.0).train()
+    model = tiny_model(dropout=0.0).train()
     ids, mask, labels = batch()
     plain = model(input_ids=ids, attention_mask=mask, labels=labels)
     handle = model.lm_head.register_forward_hook(lambda module, args, out: out * 0.5)

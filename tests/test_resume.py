@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from safetensors.torch import load_file
 
 from vaswani_hf.checks import CheckError
 from vaswani_training.run_checks import checkpoint_problems, resolve_resume_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "training" / "train.py"
 MAX_STEPS = 24
 # 160 pairs make about 13 token-budget batches of 512 tokens, so the 24 steps cross an epoch boundary (new shuffle).

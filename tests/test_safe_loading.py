@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from helpers import ROOT, tiny_model
 
 import vaswani_hf
 from vaswani_hf import VaswaniForConditionalGeneration
 
-ROOT = Path(__file__).resolve().parent.parent
 REMOTE_CODE = {"configuration_vaswani.py", "generation_vaswani.py", "kernels_vaswani.py", "loading_vaswani.py",
                "modeling_vaswani.py"}
 
@@ -47,7 +46,7 @@ def test_no_code_of_ours_unpickles():
 
 
 def test_a_saved_folder_holds_exactly_the_remote_code_files(tmp_path, tiny_tokenizer):
-    make_tiny_model(vocab_size=len(tiny_tokenizer)).save_pretrained(tmp_path)
+    tiny_model(vocab_size=len(tiny_tokenizer)).save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
     assert {p.name for p in tmp_path.glob("*.py")} == REMOTE_CODE
     assert {p.name for p in tmp_path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".pickle")} == set()
@@ -72,7 +71,7 @@ def test_the_remote_code_imports_only_the_standard_library_torch_and_transformer
 
 
 def test_pickled_weights_are_not_loaded_unless_asked_for(tmp_path):
-    model = make_tiny_model()
+    model = tiny_model()
     model.save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")

@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_model, padded_batch
+from helpers import padded_batch, sentences_differing_from_greedy, tiny_model
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from vaswani_hf import kernels_vaswani
@@ -37,14 +37,6 @@ def bf16_rounded_linears(model):
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(module.weight.bfloat16().float())
     return rounded
-
-
-def sentences_differing_from_greedy(model, beam: torch.Tensor, returned: int = 1, **common) -> int:
-    """How many sentences' best beam hypothesis differs from greedy search's translation (`common`: the call's
-    inputs and lengths); a beam test on inputs where beam search returns greedy's tokens shows nothing."""
-    greedy = model.generate(num_beams=1, do_sample=False, **common)
-    strip = lambda row: [t for t in row.tolist() if t != 0]  # noqa: E731
-    return sum(strip(b) != strip(g) for b, g in zip(beam[::returned], greedy, strict=True))
 
 
 def test_cpu_dropout_keeps_one_minus_p_and_scales_the_kept_elements():
@@ -134,7 +126,7 @@ def labelled_batch():
 
 
 def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
-    from _copy_task import trained_copy_model
+    from helpers import trained_copy_model
     from test_real_tokens import copy_task_batch
 
     from vaswani_hf import modeling_vaswani
@@ -187,7 +179,7 @@ def test_sdpa_in_fp32_training_on_cpu_keeps_torchs_kernel_unless_attention_dropo
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *args, **kwargs: sdpa_calls.append(1) or real_sdpa(*args, **kwargs))
     ids, mask, labels = labelled_batch()
-    model = make_tiny_model(attn_implementation="sdpa", dropout=0.0).train()
+    model = tiny_model(attn_implementation="sdpa", dropout=0.0).train()
     results = {}
     for kernel in ("sdpa", "eager"):  # eager: the reference of Eq. 1, written out
         model.config._attn_implementation = kernel
@@ -272,7 +264,7 @@ def test_cache_layer_writes_in_place_within_its_capacity():
 
 
 def test_generate_uses_the_in_place_cache_unless_given_one():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     seen = []
     hook = model.model.decoder.register_forward_pre_hook(
@@ -299,7 +291,7 @@ def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
     calls = []
     onednn_linear = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or onednn_linear(*args))
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     decoder_ids = torch.randint(3, 99, (3, 5), generator=torch.Generator().manual_seed(4))
     state_size = len(model.state_dict())
@@ -329,7 +321,7 @@ def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
 
 @needs_onednn
 def test_packed_linears_leave_training_bf16_and_opt_out_alone():
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     labels = ids.masked_fill(mask.eq(0), -100)
     with model.cpu_packed_linears() as packed:
@@ -341,7 +333,7 @@ def test_packed_linears_leave_training_bf16_and_opt_out_alone():
         assert not packed
     with model.to(torch.bfloat16).cpu_packed_linears() as packed:
         assert not packed
-    model = make_tiny_model()
+    model = tiny_model()
     model.use_cpu_packed_linears = False
     with model.cpu_packed_linears() as packed:
         assert not packed and model.lm_head.packed_weight is None
@@ -350,7 +342,7 @@ def test_packed_linears_leave_training_bf16_and_opt_out_alone():
 @needs_onednn
 @pytest.mark.parametrize("kwargs", [dict(num_beams=4), dict(num_beams=1, do_sample=False)])
 def test_generate_with_packed_linears_matches_and_sees_changed_weights(kwargs):
-    model, plain = make_tiny_model(), make_tiny_model()
+    model, plain = tiny_model(), tiny_model()
     plain.use_cpu_packed_linears = False
     ids, mask = padded_batch(length=9)
     for round_ in range(2):
@@ -360,7 +352,7 @@ def test_generate_with_packed_linears_matches_and_sees_changed_weights(kwargs):
                               max_new_tokens=8, **kwargs)
         assert torch.equal(fast.sequences, slow.sequences)
         if kwargs["num_beams"] > 1:
-            assert sentences_differing_from_greedy(plain, slow.sequences, input_ids=ids, attention_mask=mask,
+            assert sentences_differing_from_greedy(plain, slow.sequences, kwargs, input_ids=ids, attention_mask=mask,
                                                    max_new_tokens=8) >= 1
         for step_fast, step_slow in zip(fast.scores, slow.scores, strict=True):
             finite = torch.isfinite(step_slow)
@@ -373,7 +365,7 @@ def test_generate_with_packed_linears_matches_and_sees_changed_weights(kwargs):
 
 @needs_onednn
 def test_generate_falls_back_to_nn_linear_when_packing_fails(monkeypatch):
-    model, plain = make_tiny_model(), make_tiny_model()
+    model, plain = tiny_model(), tiny_model()
     plain.use_cpu_packed_linears = False
     ids, mask = padded_batch(length=9)
     expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
@@ -392,7 +384,7 @@ def test_generate_packs_once_while_the_weights_are_unchanged(monkeypatch):
     packs = []
     reorder = torch.ops.mkldnn._reorder_linear_weight
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda *args: packs.append(1) or reorder(*args))
-    model = make_tiny_model()
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
     per_packing = len(packs)
@@ -405,7 +397,7 @@ def test_generate_packs_once_while_the_weights_are_unchanged(monkeypatch):
     changed = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True,
                              return_dict_in_generate=True)
     assert len(packs) == 2 * per_packing  # packed again
-    reference = make_tiny_model()
+    reference = tiny_model()
     reference.use_cpu_packed_linears = False
     with torch.no_grad():
         reference.model.decoder.layers[1].self_attn.v_proj.bias.add_(1.0)
@@ -426,7 +418,7 @@ def test_weights_packed_by_one_generate_are_not_reused_after_the_weights_change(
     otherwise decode with the weights of the previous evaluation)."""
     import copy
 
-    model = make_tiny_model(dropout=0.0).eval()
+    model = tiny_model(dropout=0.0).eval()
     ids, mask = padded_batch(length=9)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)  # packs and keeps
     assert model.__dict__.get("_packed_cpu_linears") is not None
@@ -510,7 +502,7 @@ def test_onednn_training_linear_computes_only_the_gradients_asked_for(monkeypatc
 @needs_onednn
 def test_onednn_training_path_takes_only_fp32_training_steps(monkeypatch):
     monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "onednn")
-    model = make_tiny_model()
+    model = tiny_model()
     linear = model.model.encoder.layers[0].fc1
     model.train()
     assert kernels_vaswani.trains_with_onednn(linear, torch.randn(2, 32))
@@ -536,7 +528,7 @@ def test_a_training_step_in_onednn_equals_the_blas_step(monkeypatch):
         monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                             lambda *args, calls=calls, onednn_linear=onednn_linear: calls.append(1)
                             or onednn_linear(*args))
-        model = make_tiny_model(dropout=0.0).train()
+        model = tiny_model(dropout=0.0).train()
         ids, mask = padded_batch(length=9)
         labels = torch.randint(4, 99, (3, 6), generator=torch.Generator().manual_seed(1))
         labels[2, 4:] = -100
@@ -552,7 +544,7 @@ def test_a_training_step_in_onednn_equals_the_blas_step(monkeypatch):
         torch.testing.assert_close(results["onednn"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     # control: linears multiplied in bf16 move some gradient by 4e-2, far beyond 1e-6 + 1e-4 |g|
     monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "blas")
-    rounded = bf16_rounded_linears(make_tiny_model(dropout=0.0)).train()
+    rounded = bf16_rounded_linears(tiny_model(dropout=0.0)).train()
     rounded(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     excess = max(((p.grad - results["blas"][1][name]).abs() / (1e-6 + 1e-4 * results["blas"][1][name].abs())).max()
                  for name, p in rounded.named_parameters() if p.grad is not None)
@@ -632,7 +624,7 @@ def test_projected_cross_entropy_declines_where_it_does_not_apply():
 
 
 def test_a_training_step_with_a_label_outside_the_vocabulary_is_refused_before_the_fused_loss():
-    model = make_tiny_model().train()
+    model = tiny_model().train()
     ids, mask = padded_batch(length=9)
     labels = ids.masked_fill(mask.eq(0), -100)
     labels[0, -1] = 99  # the last column never becomes a decoder input; rows 1 and 2 are padded: packing applies

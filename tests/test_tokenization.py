@@ -3,13 +3,10 @@ and loading with no code of ours where the package is not installed."""
 
 import gzip
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from conftest import make_tiny_model
+from helpers import printed_result, run_without_vaswani_hf, save_model_folder, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -22,7 +19,7 @@ def test_special_and_byte_tokens_have_the_ids_the_config_expects(tiny_tokenizer)
     tok = tiny_tokenizer
     assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
-    config = make_tiny_model().config
+    config = tiny_model().config
     assert (config.pad_token_id, config.decoder_start_token_id, config.eos_token_id) == (0, 1, 2)
     vocab = tok.get_vocab()
     assert all(byte in vocab for byte in BYTE_TOKENS)
@@ -109,7 +106,7 @@ def test_trained_from_plain_and_gzipped_files_equals_trained_from_iterators(tmp_
 
 
 def test_saved_with_the_model_and_loaded_by_auto_tokenizer(tmp_path, tiny_tokenizer, parallel_text):
-    model = make_tiny_model(vocab_size=len(tiny_tokenizer))
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
     model.save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
     assert (tmp_path / "tokenizer.json").is_file()
@@ -126,7 +123,7 @@ def test_saved_tokenizer_config_names_a_transformers_class_and_no_code(tmp_path,
 
     import vaswani_hf  # noqa: F401  (registers the model classes for remote code, which must not reach the tokenizer)
 
-    make_tiny_model(vocab_size=len(tiny_tokenizer)).save_pretrained(tmp_path)
+    tiny_model(vocab_size=len(tiny_tokenizer)).save_pretrained(tmp_path)
     tiny_tokenizer.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert "auto_map" not in saved
@@ -136,19 +133,11 @@ def test_saved_tokenizer_config_names_a_transformers_class_and_no_code(tmp_path,
     assert "AutoTokenizer" not in json.loads((tmp_path / "config.json").read_text())["auto_map"]
 
 
-# Loads the tokenizer in `python -I` with vaswani_hf refused by a meta-path finder (as tests/test_remote_code.py does),
-# stdin closed so that a trust_remote_code prompt ends at once.
+# Loads the tokenizer, run by `run_without_vaswani_hf` (stdin closed: a trust_remote_code prompt would end at once).
 NO_PACKAGE_SCRIPT = textwrap.dedent(
     """
-    import importlib.abc, json, sys
+    import json, sys
 
-    class Refuse(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "vaswani_hf" or name.startswith("vaswani_hf."):
-                raise ImportError("vaswani_hf is hidden in this test")
-
-    sys.meta_path.insert(0, Refuse())
-    sys.path = [p for p in sys.path if p not in ("", ".") and p.rstrip("/") != sys.argv[3].rstrip("/")]
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder, how = sys.argv[1], sys.argv[2]
@@ -158,7 +147,7 @@ NO_PACKAGE_SCRIPT = textwrap.dedent(
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     else:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    texts = json.loads(sys.argv[4])
+    texts = json.loads(sys.argv[3])
     print("RESULT=" + json.dumps(dict(
         module=type(tokenizer).__module__, ids=[tokenizer(text).input_ids for text in texts],
         decoded=[tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) for text in texts],
@@ -181,24 +170,17 @@ NO_PACKAGE_TEXTS = ["Zwei Hunde spielen im Schnee.", " <s> and 😀 stay text", 
     ],
 )
 def test_tokenizer_loads_without_the_package_with_no_prompt(tmp_path, tiny_tokenizer, files, how):
-    import vaswani_hf
-
     folder = tmp_path / "folder"
     if files == "model and tokenizer":
-        make_tiny_model(vocab_size=len(tiny_tokenizer)).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(vaswani_hf.__file__)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="warning")
-    completed = subprocess.run(
-        [sys.executable, "-I", "-c", NO_PACKAGE_SCRIPT, str(folder), how, repo_root, json.dumps(NO_PACKAGE_TEXTS)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
+        save_model_folder(folder, tiny_tokenizer)
+    else:
+        tiny_tokenizer.save_pretrained(folder)
+    completed = run_without_vaswani_hf(NO_PACKAGE_SCRIPT, folder, how, json.dumps(NO_PACKAGE_TEXTS), cwd=tmp_path,
+                                       hf_home=tmp_path / "hf_home", TRANSFORMERS_VERBOSITY="warning")
     output = completed.stdout + completed.stderr
     assert "trust_remote_code" not in output and "custom code" not in output
     assert "instantiate a model of type" not in output
-    result = json.loads(completed.stdout.split("RESULT=")[-1])
+    result = printed_result(completed)
     assert result["vaswani_modules"] == []
     assert result["module"].startswith("transformers.")  # transformers' class, not code from the folder
     assert result["ids"] == [tiny_tokenizer(text).input_ids for text in NO_PACKAGE_TEXTS]

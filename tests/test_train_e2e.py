@@ -4,12 +4,10 @@ import json
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -175,12 +173,12 @@ def test_the_wheel_installs_vaswani_hf_with_its_data_and_vaswani_training(tmp_pa
 def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
     """§5.4: the recipe trains on the label-smoothed loss (config.label_smoothing, 0.1); eval_loss is the model's
     plain cross-entropy, the number transformers users read as log-perplexity."""
-    from conftest import make_tiny_model, padded_batch
+    from helpers import padded_batch, tiny_model
     from transformers import Seq2SeqTrainingArguments
 
     from vaswani_training.train import PaperTrainer
 
-    model = make_tiny_model(dropout=0.0)
+    model = tiny_model(dropout=0.0)
     ids, mask = padded_batch(length=9)
     labels, _ = padded_batch(seed=2, length=7)
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(labels.eq(0), -100))
@@ -200,19 +198,19 @@ def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
 
 def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
     """§5.3's Adam(0.9, 0.98, 1e-9), as one fused kernel on the CPU; its updates equal the foreach Adam's."""
-    from conftest import make_tiny_model
+    from helpers import tiny_model
     from transformers import Seq2SeqTrainingArguments
 
     from vaswani_hf.schedule import paper_adam
     from vaswani_training.train import PaperTrainer
 
-    model = make_tiny_model(dropout=0.0)
+    model = tiny_model(dropout=0.0)
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     trainer = PaperTrainer(model=model, args=args, max_tokens=64, d_model=32, warmup=10, lr_factor=1.0)
     optimizer = trainer.create_optimizer()
     group = optimizer.param_groups[0]
     assert group["fused"] is True and group["betas"] == (0.9, 0.98) and group["eps"] == 1e-9
-    reference_model = make_tiny_model(dropout=0.0)
+    reference_model = tiny_model(dropout=0.0)
     reference_model.load_state_dict(model.state_dict())
     reference = paper_adam(reference_model.parameters(), lr=1e-3, foreach=True)
     for g in optimizer.param_groups:
@@ -229,7 +227,7 @@ def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
 
 def test_paper_trainer_pins_batches_only_for_an_accelerator(tmp_path, recwarn):
     """On a CPU the training batches are not pinned (nothing to copy them to; torch would warn at every epoch)."""
-    from conftest import make_tiny_model
+    from helpers import tiny_model
     from transformers import Seq2SeqTrainingArguments
 
     from vaswani_training.train import PaperTrainer
@@ -241,7 +239,7 @@ def test_paper_trainer_pins_batches_only_for_an_accelerator(tmp_path, recwarn):
     from datasets import Dataset
 
     rows = Dataset.from_list([{"input_ids": [5, 6, 2], "attention_mask": [1, 1, 1], "labels": [7, 2]}] * 4)
-    trainer = PaperTrainer(model=make_tiny_model(), args=args, train_dataset=rows, max_tokens=64, d_model=32,
+    trainer = PaperTrainer(model=tiny_model(), args=args, train_dataset=rows, max_tokens=64, d_model=32,
                            warmup=10, lr_factor=1.0)
     loader = trainer.get_train_dataloader()
     assert getattr(loader, "base_dataloader", loader).pin_memory is False

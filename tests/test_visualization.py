@@ -5,7 +5,7 @@ import struct
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from helpers import tiny_model
 
 from vaswani_hf.decoding import paper_generate
 from vaswani_hf.visualization import attention_maps, attention_weights, plot_all_attention, plot_attention
@@ -19,7 +19,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture
 def model(tiny_tokenizer):
-    return make_tiny_model(vocab_size=len(tiny_tokenizer))
+    return tiny_model(vocab_size=len(tiny_tokenizer))
 
 
 def _png_size(path):
