@@ -60,7 +60,7 @@ def pytest_configure(config):
 
 # Modules whose every test depends on the instruction set (bf16 autocast, oneDNN against BLAS), marked `isa` here;
 # other such tests carry the mark in their own module.
-ISA_MODULES = ("test_real_tokens.py", "test_kernels.py")
+ISA_MODULES = ("test_kernels.py",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marks
