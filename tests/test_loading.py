@@ -7,15 +7,20 @@
   generates the in-memory model's tokens;
 - the strict weight check still refuses a missing or foreign tensor, naming the file, and says "truncated or
   corrupted" only when the file is;
-- generation_config.json: a truncated file, or a setting of the wrong type, is refused with the file named.
+- generation_config.json: a truncated file, or a setting of the wrong type, is refused with the file named;
+- weights only from safetensors: nothing of ours unpickles. Trainer's own checkpoint files (optimizer.pt,
+  scheduler.pt, rng_state.pth) are torch.save pickles that transformers reads on --resume_from_checkpoint; they are
+  written by our own run, not downloaded, and not part of a model folder.
 """
 
+import ast
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import padded_batch, tiny_config, tiny_model
+from helpers import ROOT, padded_batch, tiny_config, tiny_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSeq2SeqLM
 
@@ -249,3 +254,43 @@ def test_generate_refuses_settings_of_the_wrong_type_naming_them():
         _generate(model)
     model.generation_config.length_penalty = 0.6
     assert _generate(model).shape == (3, 9)
+
+
+# Weights only from safetensors: nothing of ours unpickles -------------------------------------------------------------
+
+
+def calls(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                yield f"{func.value.id}.{func.attr}", node
+            elif isinstance(func, ast.Name):
+                yield func.id, node
+
+
+def test_no_code_of_ours_unpickles():
+    sources = [*(ROOT / "vaswani_hf").rglob("*.py"), *(ROOT / "training").rglob("*.py")]
+    assert len(sources) > 10
+    offending = []
+    for path in sources:
+        for name, node in calls(path):
+            allow_pickle = any(k.arg == "allow_pickle" for k in node.keywords)
+            if name in ("torch.load", "pickle.load", "pickle.loads", "dill.load", "joblib.load") or allow_pickle:
+                offending.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+        text = path.read_text(encoding="utf-8")
+        if "import pickle" in text or "from pickle" in text:
+            offending.append(f"{path.relative_to(ROOT)}: imports pickle")
+    assert offending == []
+
+
+def test_pickled_weights_are_not_loaded_unless_asked_for(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(OSError, match="no file named model.safetensors"):
+        VaswaniForConditionalGeneration.from_pretrained(tmp_path)
+    # An explicit opt-out still works (transformers then uses torch.load(weights_only=True)).
+    loaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path, use_safetensors=False)
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)

@@ -1,5 +1,7 @@
 """The model (§3): attention kernels and masks, positional encoding, cache, loss, initialization, parameter counts,
-and the behaviour transformers' common model tests expect (save/load, tied weights, resizing, batching)."""
+and the behaviour transformers' common model tests expect (save/load, tied weights, resizing, batching); and, as a
+hypothesis property, outputs of the right shape, finite and independent of padding for arbitrary batch sizes, lengths
+and padding contents."""
 
 import math
 import warnings
@@ -7,6 +9,8 @@ import warnings
 import pytest
 import torch
 from helpers import padded_batch, tiny_config, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from transformers import (
     AttentionInterface,
@@ -760,3 +764,54 @@ def test_checkpoints_with_fused_input_projections_still_load(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits,
                                    model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids).logits)
+
+
+# Properties (hypothesis): arbitrary batch sizes, lengths and padding --------------------------------------------------
+
+
+@st.composite
+def padded_batches(draw):
+    """A right-padded batch with arbitrary sizes, lengths and padding contents, and the unpadded rows."""
+    batch = draw(st.integers(1, 4))
+    source_lengths = draw(st.lists(st.integers(1, 12), min_size=batch, max_size=batch))
+    target_lengths = draw(st.lists(st.integers(1, 10), min_size=batch, max_size=batch))
+    seed = draw(st.integers(0, 2**31 - 1))
+    fill = draw(st.sampled_from(["pad", "random"]))  # what sits under the mask must not matter
+    extra_source = draw(st.integers(0, 3))  # padding even past the longest row
+    generator = torch.Generator().manual_seed(seed)
+    vocab = 99
+
+    def pad(lengths, extra):
+        width = max(lengths) + extra
+        ids = torch.randint(4, vocab, (len(lengths), width), generator=generator)
+        mask = torch.zeros(len(lengths), width, dtype=torch.long)
+        for row, n in enumerate(lengths):
+            mask[row, :n] = 1
+            if fill == "pad":
+                ids[row, n:] = 0
+        return ids, mask
+
+    source, source_mask = pad(source_lengths, extra_source)
+    target, target_mask = pad(target_lengths, 0)
+    return source, source_mask, source_lengths, target, target_mask, target_lengths
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(padded_batches(), st.sampled_from(["sdpa", "eager"]), st.booleans())
+def test_outputs_have_the_right_shape_are_finite_and_ignore_padding(data, implementation, pre_ln):
+    source, source_mask, source_lengths, target, target_mask, target_lengths = data
+    model = tiny_model(seed=1, normalize_before=pre_ln)
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        out = model(input_ids=source, attention_mask=source_mask, decoder_input_ids=target,
+                    decoder_attention_mask=target_mask)
+        batch, width = target.shape
+        assert out.logits.shape == (batch, width, 99)
+        assert out.encoder_last_hidden_state.shape == (batch, source.shape[1], 32)
+        assert torch.isfinite(out.logits).all() and torch.isfinite(out.encoder_last_hidden_state).all()
+        for row in range(batch):
+            n, m = source_lengths[row], target_lengths[row]
+            alone = model(input_ids=source[row: row + 1, :n], decoder_input_ids=target[row: row + 1, :m])
+            torch.testing.assert_close(out.logits[row: row + 1, :m], alone.logits, atol=1e-5, rtol=0)
+            torch.testing.assert_close(out.encoder_last_hidden_state[row: row + 1, :n],
+                                       alone.encoder_last_hidden_state, atol=1e-5, rtol=0)

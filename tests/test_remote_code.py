@@ -1,6 +1,10 @@
-"""Registration with the Auto classes, and loading a saved folder as remote code where vaswani_hf is not importable."""
+"""Registration with the Auto classes, and loading a saved folder as remote code where vaswani_hf is not importable:
+the folder's code is exactly the model's code files, importing nothing but torch, transformers, safetensors and each
+other."""
 
+import ast
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -10,6 +14,7 @@ from helpers import (
     printed_result,
     remote_code_script,
     run_without_vaswani_hf,
+    save_model_folder,
     tiny_model,
 )
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedTokenizerFast
@@ -82,3 +87,27 @@ def test_folder_loads_as_remote_code_without_the_package(tmp_path, tiny_tokenize
     assert torch.equal(outputs["logits"], expected.logits)
     torch.testing.assert_close(outputs["hidden"] @ model.model.shared.weight.T, expected.logits)
     assert torch.equal(outputs["generated"], expected_generation)
+
+
+def test_a_saved_folder_holds_exactly_the_remote_code_files(tmp_path, tiny_tokenizer):
+    save_model_folder(tmp_path, tiny_tokenizer)
+    assert {p.name for p in tmp_path.glob("*.py")} == set(CODE_FILES)
+    assert {p.name for p in tmp_path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".pickle")} == set()
+    assert (tmp_path / "model.safetensors").is_file()
+    # The weights file is safetensors: an 8-byte header length, then a JSON header.
+    assert (tmp_path / "model.safetensors").read_bytes()[8:9] == b"{"
+
+
+def test_the_remote_code_imports_only_the_standard_library_torch_and_transformers():
+    package = Path(vaswani_hf.__file__).parent
+    # safetensors is a dependency of transformers itself; the rest are the shipped code files
+    allowed = {"torch", "transformers", "safetensors"} | {Path(name).stem for name in CODE_FILES} \
+        | set(sys.stdlib_module_names)
+    for name in CODE_FILES:
+        imported = set()
+        for node in ast.walk(ast.parse((package / name).read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                imported.add((node.module or "configuration_vaswani").split(".")[0])
+        assert imported <= allowed, (name, imported - allowed)
