@@ -1,5 +1,6 @@
-"""Output files are written atomically: a failure or a kill in the middle of a write leaves the previous file as it
-was, never half a file. And every place in vaswani_hf/ and training/ that writes a file is one we have checked.
+"""Output files are written atomically (training/atomic.py): a failure or a kill in the middle of a write leaves the
+previous file as it was, never half a file, and the new file follows the user's umask. And every place in vaswani_hf/
+and training/ that writes a file is one we have checked.
 
 (Training faults, run for real, are in tests/test_resume.py.)
 """
@@ -8,6 +9,7 @@ import ast
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import (
+    ROOT,
+)
 
 from vaswani_training.atomic import write_json_atomic, write_lines_atomic
 
@@ -90,6 +94,20 @@ def test_a_kill_in_the_middle_of_a_write_leaves_the_old_file(tmp_path):
     assert tmp.startswith(".test_translations.txt.") and (tmp_path / tmp).stat().st_size > 0
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_writes_follow_the_umask(tmp_path, umask):
+    from vaswani_training.atomic import write_json_atomic, write_lines_atomic
+
+    previous = os.umask(umask)
+    try:
+        write_json_atomic(tmp_path / "metrics.json", {"bleu": 1.0})
+        write_lines_atomic(tmp_path / "test_translations.txt", ["a"])
+    finally:
+        os.umask(previous)
+    for name in ("metrics.json", "test_translations.txt"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask
+
+
 # Every file write in the package and the commands, and why it is safe -----------------------------------------------
 
 WRITE_CALLS = {"write_text", "write_bytes", "savefig", "save_file", "dump", "writelines", "save_pretrained", "save",
@@ -114,7 +132,7 @@ CHECKED_WRITES = {
     ("vaswani_hf/visualization.py", "save_figure", "savefig"): "temporary file, then os.replace",
     # The final model folder of a training run is written by transformers (save_model / save_pretrained), file by
     # file. A kill during that save can leave a truncated model.safetensors: from_pretrained and the commands then
-    # refuse it with a clear error (tests/test_bad_input.py), and the checkpoint-<step> folders still hold the run.
+    # refuse it with a clear error (tests/test_loading.py), and the checkpoint-<step> folders still hold the run.
     # The lock file holds only the pid of the run holding it; the lock itself is the open file's flock.
     ("vaswani_hf/checks.py", "RunLock.acquire", "open"): "a lock file; its content is informational",
     ("training/train.py", "_train", "save_model"): "transformers' model folder; truncation is detected on load",

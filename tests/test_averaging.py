@@ -11,7 +11,13 @@ import textwrap
 
 import pytest
 import torch
-from helpers import ROOT, tiny_model
+from helpers import (
+    ROOT,
+    copy_run,
+    exits_with,
+    listing,
+    tiny_model,
+)
 from safetensors.torch import load_file
 
 from vaswani_hf import VaswaniForConditionalGeneration
@@ -241,3 +247,15 @@ def test_the_averaged_folder_follows_the_umask(run_dir, tmp_path, umask):
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert modes["model.safetensors"] == modes["averaged_from.json"] == modes["config.json"] == 0o666 & ~umask
+
+
+def test_averaging_never_replaces_the_runs_own_model(tiny_run, tmp_path):
+    from vaswani_training.average_checkpoints import main as average_main
+
+    source = copy_run(tiny_run, tmp_path)
+    before = listing(source)
+    for output in (source, tmp_path):
+        exits_with(lambda: average_main(["--checkpoint_dir", str(source), "--last", "2", "--output_dir", str(output)]),
+                   r"(is the same folder as|contains) --checkpoint_dir")
+    assert listing(source) == before
+    assert average_main(["--checkpoint_dir", str(source), "--last", "2", "--output_dir", str(source / "averaged")]) == 0

@@ -1,11 +1,23 @@
 """VaswaniConfig: the paper's defaults (Table 3), presets, overrides, options, validation, generation defaults."""
 
 import json
+import re
 
 import pytest
 import torch
-from helpers import tiny_config, tiny_model
-from transformers import AutoConfig, GenerationConfig
+from helpers import (
+    exits_with,
+    tiny_config,
+    tiny_model,
+    translate_cli,
+)
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from transformers import (
+    AutoConfig,
+    AutoModelForSeq2SeqLM,
+    GenerationConfig,
+)
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
 
@@ -224,3 +236,84 @@ def test_generation_defaults_are_the_papers_and_saved_beside_the_model(tmp_path)
 def test_base_model_has_no_generation_head():
     model = VaswaniModel(tiny_config())
     assert not hasattr(model, "lm_head")
+
+
+# Validation, naming config.json; any config.json builds a working model or is refused (hypothesis) --------------------
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("normalize_before", "false", "normalize_before must be true or false"),
+    ("tie_word_embeddings", 1, "tie_word_embeddings must be true or false"),
+    ("layer_norm_eps", -100, "layer_norm_eps must be a small positive number"),
+    ("layer_norm_eps", 0, "layer_norm_eps must be a small positive number"),
+    ("dropout", True, r"dropout must be in \[0, 1\)"),
+    ("pad_token_id", 100000, r"pad_token_id must be a token id in \[0, "),
+    ("eos_token_id", -1, r"eos_token_id must be a token id"),
+    ("d_model", 32.0, "d_model must be a positive integer"),
+])
+def test_a_bad_field_in_config_json_is_refused_naming_the_file(model_folder, tmp_path, field, value, message):
+    config = json.loads((model_folder / "config.json").read_text())
+    config[field] = value
+    (model_folder / "config.json").write_text(json.dumps(config))
+    where = re.escape(str(model_folder / "config.json"))
+    with pytest.raises(ValueError, match=f"{where}: {message}"):
+        VaswaniForConditionalGeneration.from_pretrained(model_folder)
+    with pytest.raises(ValueError, match=f"{where}: {message}"):
+        VaswaniConfig.from_pretrained(model_folder)
+    source = tmp_path / "in.de"
+    source.write_text("Ein Hund.\n", encoding="utf-8")
+    exits_with(lambda: translate_cli("--model", model_folder, "--input", source), f"{where}: {message}")
+
+
+def test_constructing_a_config_checks_types_and_ranges():
+    with pytest.raises(ValueError, match="normalize_before must be true or false"):
+        VaswaniConfig(normalize_before="yes")
+    with pytest.raises(ValueError, match="layer_norm_eps"):
+        VaswaniConfig(layer_norm_eps=float("nan"))
+    assert VaswaniConfig(layer_norm_eps=1.0).layer_norm_eps == 1.0  # transformers' common tests use 1.0
+    with pytest.raises(ValueError, match=r"bos_token_id must be a token id in \[0, 10\)"):
+        VaswaniConfig(vocab_size=10, bos_token_id=10)
+
+
+FIELDS = ["vocab_size", "target_vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff",
+          "dropout", "attention_dropout", "activation_dropout", "activation_function", "normalize_before",
+          "position_embedding_type", "max_position_embeddings", "share_encoder_decoder_embeddings",
+          "tie_word_embeddings", "scale_embedding", "label_smoothing", "layer_norm_eps", "use_cache", "pad_token_id",
+          "bos_token_id", "eos_token_id", "decoder_start_token_id"]
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(allow_nan=True, allow_infinity=True),
+                   st.sampled_from(["relu", "gelu", "learned", "sinusoidal", "true", "false", "no", "", "8"]),
+                   st.lists(st.integers(0, 5), max_size=2))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=4))
+def test_any_config_json_builds_a_working_model_or_is_refused_naming_config_json(tmp_path, changes):
+    folder = tmp_path / "cfg"
+    folder.mkdir(exist_ok=True)
+    base = tiny_config(vocab_size=20, d_model=8, encoder_layers=1, decoder_layers=1, num_heads=2, d_ff=8)
+    config = {**base.to_dict(), **changes}
+    (folder / "config.json").write_text(json.dumps(config))
+    try:
+        loaded = VaswaniConfig.from_pretrained(folder)
+    except ValueError as error:
+        assert str(error).startswith(f"{folder / 'config.json'}: "), str(error)
+        event("refused")
+        return
+    event("built")
+    model = VaswaniForConditionalGeneration(loaded).eval()
+    ids = torch.tensor([[min(3, loaded.vocab_size - 1), loaded.eos_token_id if isinstance(loaded.eos_token_id, int)
+                         else 0]])
+    decoder_ids = torch.tensor([[loaded.decoder_start_token_id]])
+    logits = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
+    assert logits.shape == (1, 1, loaded.decoder_vocab_size) and bool(torch.isfinite(logits).all())
+
+
+def test_a_saved_config_edited_to_impossible_sizes_is_refused_on_load(tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_heads"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for load in (VaswaniConfig.from_pretrained, VaswaniForConditionalGeneration.from_pretrained,
+                 AutoModelForSeq2SeqLM.from_pretrained):
+        with pytest.raises(ValueError, match="num_heads must be a positive integer, got 0"):
+            load(tmp_path)

@@ -1,4 +1,4 @@
-"""The training scripts' process memory settings, each in a fresh process:
+"""The training scripts' process memory settings (training/cpu_tuning.py), each in a fresh process:
 
 - `vaswani_training.cpu_tuning.keep_freed_memory`: glibc keeps freed memory, so training steps stop page-faulting their
   activations in again; the user's own MALLOC_* settings and VASWANI_KEEP_FREED_MEMORY=0 win.

@@ -1,4 +1,5 @@
-"""Tests for vaswani_hf.data: loading parallel data with clear errors, tokenization, token-budget batching.
+"""Tests for vaswani_hf.data: loading parallel data with clear errors, tokenization, token-budget batching; the same
+errors through `vaswani-train`, naming the file and line, before its first step.
 
 Uses only the shipped copy under vaswani_hf/corpora/multi30k and tmp files (no network, never ../shared).
 """
@@ -11,7 +12,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import ROOT, write
+from helpers import (
+    ENGLISH,
+    ROOT,
+    train_cli,
+    write,
+    write_parallel,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -404,3 +411,71 @@ def test_hub_path_with_packaged_json_builder(tmp_path):
     with pytest.raises(DataError, match="codes present: de, en"):
         load_parallel_dataset(hub_dataset="json", source_lang="fr",
                               hub_kwargs={"data_files": {"train": str(p)}, "cache_dir": str(tmp_path / "cache")})
+
+
+# Parallel data through the train command ------------------------------------------------------------------------------
+
+
+def train_on(tmp_path, *args):
+    """One step of `vaswani-train` (`helpers.train_cli`) in `tmp_path`: the checks that refuse its input come first."""
+    return train_cli(tmp_path / "out", tmp_path / "cache", "--max_steps", "1", *args)
+
+
+def test_train_cli_mismatched_line_counts_names_both_files(tmp_path):
+    prefix = write_parallel(tmp_path / "data", english=ENGLISH[:-1])
+    with pytest.raises(DataError) as error:
+        train_on(tmp_path, "--train_file", prefix)
+    message = str(error.value)
+    assert f"{prefix}.de has 20 lines but {prefix}.en has 19 lines" in message
+    assert "aligned line by line" in message
+
+
+def test_train_cli_missing_and_empty_files(tmp_path):
+    with pytest.raises(DataError, match=r"no file for language 'de' at prefix .*nothing.* Check the prefix"):
+        train_on(tmp_path, "--train_file", str(tmp_path / "nothing"))
+    prefix = write_parallel(tmp_path / "data")
+    write(tmp_path / "data" / "p.en", "")
+    with pytest.raises(DataError, match=re.escape(f"{prefix}.en: file is empty (0 lines)")):
+        train_on(tmp_path, "--train_file", prefix)
+    with pytest.raises(DataError, match="without --train_file"):
+        train_on(tmp_path, "--test_file", prefix)
+
+
+def test_train_cli_non_utf8_names_file_and_line(tmp_path):
+    prefix = write_parallel(tmp_path / "data")
+    lines = (tmp_path / "data" / "p.de").read_bytes().split(b"\n")
+    lines[6] = "Ein älterer Mann".encode("latin-1")
+    write(tmp_path / "data" / "p.de", b"\n".join(lines))
+    with pytest.raises(DataError, match=re.escape(f"{prefix}.de:7: not valid UTF-8 (byte b'\\xe4'") + ".*iconv"):
+        train_on(tmp_path, "--train_file", prefix)
+
+
+def test_train_cli_empty_lines_error_names_the_line_and_a_bad_policy_is_refused(tmp_path):
+    english = list(ENGLISH)
+    english[4] = "   "
+    prefix = write_parallel(tmp_path / "data", english=english)
+    with pytest.raises(DataError, match=re.escape(f"{prefix}.en:5: empty sentence") + ".*empty_lines='skip'"):
+        train_on(tmp_path, "--train_file", prefix, "--empty_lines", "error")
+    with pytest.raises(DataError, match=r"empty_lines='drop' is not one of \('skip', 'error', 'keep'\)"):
+        train_on(tmp_path, "--train_file", prefix, "--empty_lines", "drop")
+
+
+def test_train_cli_unknown_language_codes(tmp_path):
+    with pytest.raises(DataError, match="Multi30k task 1 has languages 'de' and 'en', not 'fr'"):
+        train_on(tmp_path, "--source_lang", "fr")
+    prefix = write_parallel(tmp_path / "data")
+    with pytest.raises(DataError, match=r"no file for language 'cs' .*Languages present for this prefix: de, en"):
+        train_on(tmp_path, "--train_file", prefix, "--target_lang", "cs")
+    with pytest.raises(DataError, match="source_lang and target_lang are both 'de'"):
+        train_on(tmp_path, "--train_file", prefix, "--target_lang", "de")
+
+
+def test_train_cli_zero_samples_is_refused_not_read_as_all(tmp_path):
+    prefix = write_parallel(tmp_path / "data")
+    for flag in ("--max_train_samples", "--max_test_samples", "--max_tokens", "--max_source_length"):
+        with pytest.raises(DataError, match=f"{flag} must be >= 1 \\(leave the flag out for the default\\), got 0"):
+            train_on(tmp_path, "--train_file", prefix, "--test_file", prefix, flag, "0")
+    from vaswani_training.prepare import select
+
+    with pytest.raises(DataError, match=r"take a number of examples >= 1 .*got 0"):  # the library function too
+        select(list(range(3)), 0)

@@ -19,16 +19,23 @@ import yaml
 from helpers import (
     ROOT,
     assert_loaded_as_remote_code,
+    copy_run,
+    exits_with,
+    listing,
     printed_result,
     remote_code_script,
     run_without_vaswani_hf,
     tiny_model,
+    write_parallel,
 )
 from hub_standin import StandInHub
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForSeq2SeqLM
 
 import vaswani_hf
+from vaswani_hf import VaswaniForConditionalGeneration
+from vaswani_hf.checks import CheckError
 from vaswani_training.export import EXPORTED_CODE, export_for_hub, push_folder
 from vaswani_training.export import main as export_main
 
@@ -137,7 +144,6 @@ REMOTE_SCRIPT = remote_code_script(
 def test_export_loads_as_remote_code_and_translates_as_the_original(exported, trained, tmp_path):
     from transformers import AutoTokenizer
 
-    from vaswani_hf import VaswaniForConditionalGeneration
 
     original = VaswaniForConditionalGeneration.from_pretrained(trained).eval()
     tokenizer = AutoTokenizer.from_pretrained(trained)
@@ -180,7 +186,6 @@ REMOTE_REPO_SCRIPT = textwrap.dedent(
 def test_remote_code_loads_by_repo_id_through_the_hub(trained, hub, tmp_path):
     from transformers import AutoTokenizer
 
-    from vaswani_hf import VaswaniForConditionalGeneration
 
     repo_id = "someone/vaswani-tiny"  # pushed by the training run
     original = VaswaniForConditionalGeneration.from_pretrained(trained).eval()
@@ -207,7 +212,7 @@ def test_remote_code_loads_by_repo_id_through_the_hub(trained, hub, tmp_path):
 
 def test_translation_pipeline_with_vaswani_hf_imported(exported):
     """In a process that imported vaswani_hf (which registers the task transformers 5 removed)."""
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+    from transformers import AutoTokenizer, pipeline
 
     model = AutoModelForSeq2SeqLM.from_pretrained(exported).eval()
     tokenizer = AutoTokenizer.from_pretrained(exported)
@@ -414,14 +419,9 @@ def test_a_training_run_whose_push_fails_says_so_and_keeps_its_model(hub, tmp_pa
 @pytest.fixture(scope="module")
 def fine_tuned(trained, tmp_path_factory):
     """The Multi30k run fine-tuned for 2 updates on two local files."""
-    from helpers import ENGLISH, GERMAN
-
     from vaswani_training.train import main
 
-    data = tmp_path_factory.mktemp("data")
-    (data / "captions-2024.de").write_text("\n".join(GERMAN) + "\n", encoding="utf-8")
-    (data / "captions-2024.en").write_text("\n".join(ENGLISH) + "\n", encoding="utf-8")
-    prefix = str(data / "captions-2024")
+    prefix = write_parallel(tmp_path_factory.mktemp("data"), name="captions-2024")
     out = tmp_path_factory.mktemp("fine-tuned")
     main(["--preset", "tiny", "--output_dir", str(out), "--model_name_or_path", str(trained), "--train_file", prefix,
           "--validation_file", prefix, "--test_file", prefix, "--max_steps", "2", "--eval_strategy", "no",
@@ -528,3 +528,33 @@ def test_an_unreachable_hub_is_refused_before_any_work(trained, tmp_path, hub, m
     with pytest.raises(CheckError, match="HF_HUB_OFFLINE is set, so nothing could be uploaded"):
         train_main(run)
     assert not (tmp_path / "run").exists(), "refused before training"
+
+
+# The export never replaces the model folder and names a damaged run's files -------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "parent"])
+def test_export_never_replaces_the_model_folder(tiny_run, tmp_path, where):
+    from vaswani_training.export import main as export_main
+
+    source = copy_run(tiny_run, tmp_path)
+    before = listing(source)
+    output = {"same": source, "inside": source / "export", "parent": tmp_path}[where]
+    exits_with(lambda: export_main(["--model_dir", str(source), "--output_dir", str(output), "--force"]),
+               r"--output_dir .* (is the same folder as|lies inside|contains) --model_dir")
+    assert listing(source) == before
+
+
+def test_truncated_metrics_and_trainer_state_are_named(tiny_run, tmp_path):
+    from vaswani_training.export import main as export_main
+    from vaswani_training.plot import plot_learning_curve
+
+    source = copy_run(tiny_run, tmp_path)
+    metrics = source / "metrics.json"
+    metrics.write_text(metrics.read_text()[:20])
+    exits_with(lambda: export_main(["--model_dir", str(source), "--output_dir", str(tmp_path / "e")]),
+               re.escape(f"{metrics}: not valid JSON"))
+    state = source / "checkpoint-3" / "trainer_state.json"
+    state.write_text(state.read_text()[:30])
+    with pytest.raises(CheckError, match=re.escape(f"{state}: not valid JSON")):
+        plot_learning_curve(state, tmp_path / "curve.png")

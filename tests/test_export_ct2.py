@@ -19,6 +19,13 @@ except ImportError as error:  # an optional dependency of the package, but a req
     raise ImportError("tests/test_export_ct2.py needs ctranslate2: pip install ctranslate2 (it is in the dev "
                       "extras: pip install -e '.[dev]').") from error
 
+
+from helpers import (
+    copy_run,
+    exits_with,
+    listing,
+)
+
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.export_ct2 import build_ct2_spec, ct2_translate, export_ct2
 from vaswani_hf.modeling_vaswani import sinusoidal_table
@@ -258,3 +265,15 @@ def test_speed_benchmark_runs_and_agrees(trained):
     assert results["ratio_to_ours"]["ours"] == 1.0
     assert results["agreement_with_ours"]["ct2_float32"] == 1.0  # same outputs, so the same work is timed
     assert len(results["runs"]["ct2_int8"]) == 1
+
+
+@pytest.mark.parametrize("where", ["same", "parent"])
+def test_ct2_export_never_replaces_the_model_folder(tiny_run, tmp_path, where):
+    from vaswani_training.export_ct2 import main as export_ct2_main
+
+    source = copy_run(tiny_run, tmp_path)
+    before = listing(source)
+    output = source if where == "same" else tmp_path
+    exits_with(lambda: export_ct2_main(["--model_dir", str(source), "--output_dir", str(output), "--force"]),
+               r"(is the same folder as|contains) --model_dir")
+    assert listing(source) == before

@@ -15,15 +15,27 @@ give:
 """
 
 import copy
+import math
+import re
 
 import pytest
 import torch
-from helpers import padded_batch, sentences_differing_from_greedy, tiny_model
-from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
+from helpers import (
+    GERMAN,
+    padded_batch,
+    sentences_differing_from_greedy,
+    tiny_model,
+)
+from transformers import (
+    GenerationMixin,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.generation_vaswani import VaswaniSelfAttentionCache, VaswaniSelfAttentionCacheLayer
+from vaswani_hf.inference import translate_sentences
 
 SHORT = dict(max_new_tokens=8)
 
@@ -263,72 +275,54 @@ def _generate_and_capture(model, ids, mask, CaptureLogger, logging):
     assert model.generation_config.max_length == 256  # restored
 
 
-# The in-place self-attention cache (`VaswaniSelfAttentionCacheLayer`) -------------------------------------------------
+# Arguments out of range, and a tokenizer bigger than the model, are refused -------------------------------------------
 
 
-def _steps(seed: int = 0, batch: int = 6, heads: int = 2, head_dim: int = 4, steps: int = 7):
-    generator = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        length = 3 if step == 0 else 1  # a prefix first, then one position at a time
-        yield (torch.randn(batch, heads, length, head_dim, generator=generator),
-               torch.randn(batch, heads, length, head_dim, generator=generator),
-               torch.randint(0, batch, (batch,), generator=generator))
-
-
-@pytest.mark.parametrize("capacity", [0, 2, 64])
-def test_cache_layer_holds_what_dynamic_layer_holds(capacity):
-    ours, reference = VaswaniSelfAttentionCacheLayer(capacity), DynamicLayer()
-    for keys, values, beam_idx in _steps():
-        got, expected = ours.update(keys, values), reference.update(keys, values)
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-        ours.reorder_cache(beam_idx)
-        reference.reorder_cache(beam_idx)
-        assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
-        assert ours.get_seq_length() == reference.get_seq_length()
-    assert ours.get_seq_length() == 9
-    ours.crop(-2)
-    reference.crop(-2)
-    assert torch.equal(ours.keys, reference.keys) and ours.get_seq_length() == 7
-    for layer in (ours, reference):
-        layer.batch_select_indices(torch.tensor([4, 1]))
-        layer.batch_repeat_interleave(3)
-    assert ours.keys.shape == (6, 2, 7, 4)
-    assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
-    keys, values, _ = next(_steps(seed=1))
-    got, expected = ours.update(keys, values), reference.update(keys, values)  # still appends after all that
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    with pytest.raises(ValueError, match="negative"):
-        ours.crop(3)
-    ours.reset()
-    assert ours.get_seq_length() == 0
-
-
-def test_cache_layer_writes_in_place_within_its_capacity():
-    layer = VaswaniSelfAttentionCacheLayer(capacity=16)
-    pointers = set()
-    for keys, values, beam_idx in _steps(steps=10):
-        layer.update(keys, values)
-        pointers.add(layer.keys.data_ptr())
-        layer.reorder_cache(beam_idx)
-        pointers.add(layer.keys.data_ptr())
-    assert len(pointers) == 2  # the buffer and its spare, swapped at each reorder: nothing new allocated
-
-
-def test_generate_uses_the_in_place_cache_unless_given_one():
+def test_generate_refuses_an_empty_batch():
     model = tiny_model()
-    ids, mask = padded_batch(length=9)
-    seen = []
-    hook = model.model.decoder.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs.get("cache")), with_kwargs=True)
-    model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=5)
-    assert isinstance(seen[-1], EncoderDecoderCache)
-    assert isinstance(seen[-1].self_attention_cache, VaswaniSelfAttentionCache)
-    assert all(isinstance(layer, VaswaniSelfAttentionCacheLayer) for layer in seen[-1].self_attention_cache.layers)
-    seen.clear()
-    mine = EncoderDecoderCache(DynamicCache(), DynamicCache())
-    model.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=5, past_key_values=mine)
-    assert seen[-1] is mine and type(mine.self_attention_cache.layers[0]) is DynamicLayer
-    hook.remove()
+    for shape in ((0, 5), (2, 0)):
+        with pytest.raises(ValueError, match="at least one sentence of at least one token"):
+            model.generate(torch.zeros(shape, dtype=torch.long), max_new_tokens=3)
+
+
+def test_translating_with_a_tokenizer_bigger_than_the_model(tiny_tokenizer):
+    model = tiny_model()  # 99 entries; the tokenizer's ids go up to 419
+    with pytest.raises(ValueError, match=r"input_ids holds token id \d+, outside this model's vocabulary of 99 "
+                                         r"entries.*load the tokenizer saved with the model"):
+        translate_sentences(model, tiny_tokenizer, GERMAN[:3], num_beams=1, max_new_tokens=3)
+
+
+def test_generate_rejects_out_of_range_arguments():
+    model = tiny_model()
+    ids = torch.tensor([[5, 6, 7, 2]])
+    # transformers itself fails on these with a ZeroDivisionError / a negative tensor dimension; ours says what is
+    # wrong.
+    for name, value in (("num_beams", 0), ("num_beams", -1), ("num_beams", 2.5), ("num_return_sequences", 0)):
+        with pytest.raises(ValueError, match=rf"generate\(\): {name} must be an integer >= 1, got {value}"):
+            model.generate(input_ids=ids, **{name: value})
+    # These transformers refuses clearly already.
+    with pytest.raises(ValueError, match="`max_new_tokens` must be greater than 0, but is -1"):
+        model.generate(input_ids=ids, max_new_tokens=-1)
+    with pytest.raises(ValueError, match=r"`num_return_sequences` \(3\) has to be smaller or equal to `num_beams` "
+                                         r"\(2\)"):
+        model.generate(input_ids=ids, num_beams=2, num_return_sequences=3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_beams=0), "num_beams must be an integer >= 1, got 0"),
+        (dict(batch_size=0), "batch_size must be >= 1, got 0"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1 or None, got -1"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1 or None, got 0"),
+        (dict(max_source_length=0), "max_source_length must be an integer >= 1 or None, got 0"),
+        (dict(length_penalty=math.nan), "length_penalty must be a finite number, got nan"),
+    ],
+)
+def test_translate_sentences_rejects_out_of_range_arguments(tiny_tokenizer, kwargs, message):
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
+    with pytest.raises(ValueError, match=re.escape(f"translate_sentences: {message}")):
+        translate_sentences(model, tiny_tokenizer, GERMAN[:2], **kwargs)
 
 
 # What makes generate() cheaper than transformers' defaults gives what the defaults give -------------------------------
@@ -558,3 +552,71 @@ def test_the_private_generation_hooks_overridden_are_transformers_own_and_say_wh
     assert "self._reorder_cache(" in inspect.getsource(GenerationMixin._beam_search)
     for name in hooks:
         assert "# Private hook: " in inspect.getsource(getattr(VaswaniGenerationMixin, name)), name
+
+
+# The in-place self-attention cache (`VaswaniSelfAttentionCacheLayer`) -------------------------------------------------
+
+
+def _steps(seed: int = 0, batch: int = 6, heads: int = 2, head_dim: int = 4, steps: int = 7):
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        length = 3 if step == 0 else 1  # a prefix first, then one position at a time
+        yield (torch.randn(batch, heads, length, head_dim, generator=generator),
+               torch.randn(batch, heads, length, head_dim, generator=generator),
+               torch.randint(0, batch, (batch,), generator=generator))
+
+
+@pytest.mark.parametrize("capacity", [0, 2, 64])
+def test_cache_layer_holds_what_dynamic_layer_holds(capacity):
+    ours, reference = VaswaniSelfAttentionCacheLayer(capacity), DynamicLayer()
+    for keys, values, beam_idx in _steps():
+        got, expected = ours.update(keys, values), reference.update(keys, values)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        ours.reorder_cache(beam_idx)
+        reference.reorder_cache(beam_idx)
+        assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
+        assert ours.get_seq_length() == reference.get_seq_length()
+    assert ours.get_seq_length() == 9
+    ours.crop(-2)
+    reference.crop(-2)
+    assert torch.equal(ours.keys, reference.keys) and ours.get_seq_length() == 7
+    for layer in (ours, reference):
+        layer.batch_select_indices(torch.tensor([4, 1]))
+        layer.batch_repeat_interleave(3)
+    assert ours.keys.shape == (6, 2, 7, 4)
+    assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
+    keys, values, _ = next(_steps(seed=1))
+    got, expected = ours.update(keys, values), reference.update(keys, values)  # still appends after all that
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    with pytest.raises(ValueError, match="negative"):
+        ours.crop(3)
+    ours.reset()
+    assert ours.get_seq_length() == 0
+
+
+def test_cache_layer_writes_in_place_within_its_capacity():
+    layer = VaswaniSelfAttentionCacheLayer(capacity=16)
+    pointers = set()
+    for keys, values, beam_idx in _steps(steps=10):
+        layer.update(keys, values)
+        pointers.add(layer.keys.data_ptr())
+        layer.reorder_cache(beam_idx)
+        pointers.add(layer.keys.data_ptr())
+    assert len(pointers) == 2  # the buffer and its spare, swapped at each reorder: nothing new allocated
+
+
+def test_generate_uses_the_in_place_cache_unless_given_one():
+    model = tiny_model()
+    ids, mask = padded_batch(length=9)
+    seen = []
+    hook = model.model.decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("cache")), with_kwargs=True)
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=5)
+    assert isinstance(seen[-1], EncoderDecoderCache)
+    assert isinstance(seen[-1].self_attention_cache, VaswaniSelfAttentionCache)
+    assert all(isinstance(layer, VaswaniSelfAttentionCacheLayer) for layer in seen[-1].self_attention_cache.layers)
+    seen.clear()
+    mine = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    model.generate(input_ids=ids, attention_mask=mask, num_beams=1, max_new_tokens=5, past_key_values=mine)
+    assert seen[-1] is mine and type(mine.self_attention_cache.layers[0]) is DynamicLayer
+    hook.remove()

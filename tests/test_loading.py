@@ -16,15 +16,30 @@
 import ast
 import json
 import re
+import shutil
+import struct
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, padded_batch, tiny_config, tiny_model
+from helpers import (
+    ROOT,
+    evaluate_cli,
+    exits_with,
+    padded_batch,
+    tiny_config,
+    tiny_model,
+    translate_cli,
+    write,
+)
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForSeq2SeqLM
+from transformers import AutoModelForSeq2SeqLM, BartConfig, BartForConditionalGeneration, MarianConfig, MarianMTModel
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
+from vaswani_hf.checks import CheckError, check_model_folder, read_json, safetensors_problem
+from vaswani_hf.inference import translate_sentences
 
 MODEL_CLASSES = (VaswaniModel, VaswaniForConditionalGeneration)
 
@@ -157,8 +172,8 @@ def test_offloaded_models_load_and_generate_the_in_memory_tokens(saved, tmp_path
                                                             offload_folder=tmp_path / "offload", **budget)
     devices = {parameter.device.type for parameter in loaded.parameters()}
     assert "meta" in devices  # offloaded: the weights are read from disk as each layer runs
-    for settings in (dict(), dict(num_beams=1, do_sample=False)):
-        assert torch.equal(_generate(loaded, **settings), _generate(model, **settings))
+    for decoding in (dict(), dict(num_beams=1, do_sample=False)):
+        assert torch.equal(_generate(loaded, **decoding), _generate(model, **decoding))
 
 
 def test_offloading_an_untied_load_keeps_the_tokens(saved, tmp_path):
@@ -294,3 +309,175 @@ def test_pickled_weights_are_not_loaded_unless_asked_for(tmp_path):
     # An explicit opt-out still works (transformers then uses torch.load(weights_only=True)).
     loaded = VaswaniForConditionalGeneration.from_pretrained(tmp_path, use_safetensors=False)
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+
+
+# Damaged or incomplete model folders are refused, naming the file -----------------------------------------------------
+
+
+def _save_without_shared_embedding(folder, cls):
+    """A saved tiny `cls` whose model.safetensors lacks the shared embedding; returns (path, weights, shared name)."""
+    from safetensors.torch import load_file, save_file
+
+    cls(tiny_config()).save_pretrained(folder)
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    shared = next(name for name in weights if name.endswith("shared.weight"))
+    save_file({k: v for k, v in weights.items() if k != shared}, path, metadata={"format": "pt"})
+    return path, weights, shared
+
+
+@pytest.mark.parametrize("cls", [VaswaniForConditionalGeneration, VaswaniModel])
+def test_missing_or_unexpected_weights_are_refused_naming_the_file(tmp_path, cls):
+    from safetensors.torch import save_file
+
+    path, weights, shared = _save_without_shared_embedding(tmp_path, cls)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: missing") + f".*{re.escape(shared)}"):
+        cls.from_pretrained(tmp_path)
+    save_file({**weights, "extra.weight": torch.zeros(3)}, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": 1 unexpected weight\(s\) \(extra.weight\)"):
+        cls.from_pretrained(tmp_path)
+    save_file(weights, path, metadata={"format": "pt"})
+    assert isinstance(cls.from_pretrained(tmp_path), cls)
+
+
+@pytest.mark.parametrize("cls", [VaswaniForConditionalGeneration, VaswaniModel])
+def test_output_loading_info_reports_a_missing_shared_embedding_and_initializes_it(tmp_path, cls):
+    """With `output_loading_info=True` the caller checks the missing names: the shared embedding (tied by sharing
+    one module) is among them, and initialized as a new model's, not left on the meta device."""
+    _, _, shared = _save_without_shared_embedding(tmp_path, cls)
+    model, info = cls.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] and shared in set(info["missing_keys"])
+    embedding = model.get_input_embeddings().weight
+    assert embedding.device.type == "cpu" and bool(torch.isfinite(embedding).all())
+    assert 0.5 < float(embedding.std()) * model.config.d_model**0.5 < 2  # N(0, d_model^-1/2), §3.4's scale
+    tied = {n for n in model.state_dict() if "embed_tokens" in n or "lm_head" in n}
+    assert set(info["missing_keys"]) - {shared} <= tied
+
+
+def test_an_unexpected_safetensors_header_is_reported_not_a_crash(tmp_path):
+    for header in ({"w": {"dtype": "F32", "shape": [1]}}, {"w": "nonsense"}, {"w": {"data_offsets": [4, 0]}}, [1, 2]):
+        data = json.dumps(header).encode()
+        path = tmp_path / "model.safetensors"
+        path.write_bytes(struct.pack("<Q", len(data)) + data)
+        assert "unreadable header" in safetensors_problem(path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+def test_a_truncated_json_file_of_a_model_folder_is_named(model_folder, tmp_path, name):
+    path = model_folder / name
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    with pytest.raises(CheckError, match=re.escape(f"{path}: not valid JSON")):
+        check_model_folder(model_folder)
+    source = tmp_path / "in.de"
+    source.write_text("Ein Hund.\n", encoding="utf-8")
+    exits_with(lambda: translate_cli("--model", model_folder, "--input", source), re.escape(f"{path}: not valid JSON"))
+
+
+def test_read_json_names_the_file(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"a": ')
+    with pytest.raises(CheckError, match=re.escape(f"{path}: not valid JSON")):
+        read_json(path)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, tiny_tokenizer):
+    """A saved model folder and its translations of two sentences."""
+    folder = tmp_path_factory.mktemp("pristine") / "model"
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
+    model.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    sentences = ["Ein Hund läuft.", "Zwei Kinder spielen im Park."]
+    return folder, sentences, translate_sentences(model, tiny_tokenizer, sentences, num_beams=2, max_new_tokens=6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_damaged_file_of_a_model_folder_is_named_or_changes_nothing(pristine, tmp_path, data):
+    """Each file of a model folder truncated at any length or overwritten with arbitrary bytes: the command's check and
+    load either refuse it with an error naming that file, or translate exactly as before."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+
+    source, sentences, expected = pristine
+    folder = tmp_path / "damaged"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(source, folder)
+    name = data.draw(st.sampled_from(sorted(p.name for p in folder.iterdir() if p.is_file())), label="file")
+    path = folder / name
+    original = path.read_bytes()
+    if data.draw(st.booleans(), label="truncate"):
+        damaged = original[: data.draw(st.integers(0, len(original) - 1), label="keep")]
+    else:
+        damaged = data.draw(st.binary(max_size=64), label="bytes")
+    path.write_bytes(damaged)
+    try:
+        check_model_folder(folder)
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - the property: whatever the error, it names the file
+        assert name in str(error), f"{type(error).__name__} does not name {name}: {error}"
+        event("refused, naming the file")
+        return
+    event("loaded: identical translations required")
+    assert translate_sentences(model, tokenizer, sentences, num_beams=2, max_new_tokens=6) == expected
+
+
+@pytest.fixture
+def foreign_folders(tmp_path, tiny_tokenizer):
+    """A tiny BART and a tiny Marian model, built locally, saved with a tokenizer."""
+    sizes = dict(vocab_size=len(tiny_tokenizer), d_model=16, encoder_layers=1, decoder_layers=1,
+                 encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                 max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 decoder_start_token_id=1)
+    folders = {"bart": tmp_path / "bart", "marian": tmp_path / "marian"}
+    BartForConditionalGeneration(BartConfig(**sizes)).save_pretrained(folders["bart"])
+    MarianMTModel(MarianConfig(**sizes)).save_pretrained(folders["marian"])
+    for folder in folders.values():
+        tiny_tokenizer.save_pretrained(folder)
+    return folders
+
+
+@pytest.mark.parametrize(("model_type", "architecture"), [("bart", "BartForConditionalGeneration"),
+                                                          ("marian", "MarianMTModel")])
+def test_a_folder_of_another_model_type_is_refused(foreign_folders, tmp_path, model_type, architecture):
+    folder = foreign_folders[model_type]
+    # transformers alone only warns, then fails deep inside (Marian) or loads none of the weights (BART).
+    for load in (VaswaniForConditionalGeneration.from_pretrained, VaswaniConfig.from_pretrained):
+        with pytest.raises(ValueError, match=re.escape(f"{folder / 'config.json'}: model_type is "
+                                                       f"'{model_type}' ({architecture}), not 'vaswani'")):
+            load(folder)
+    # The commands would otherwise load it with AutoModelForSeq2SeqLM and translate as a different model.
+    expected = re.escape(f"{folder / 'config.json'}: model_type is '{model_type}' ({architecture}), not 'vaswani'")
+    source = write(tmp_path / "in.de", "Ein Hund.\n")
+    exits_with(lambda: translate_cli("--model", folder, "--input", source), expected)
+    exits_with(lambda: evaluate_cli("--model", folder, "--max_test_samples", 2), expected)
+    exits_with(lambda: translate_cli("--model", tmp_path / "nowhere", "--input", source),
+               "is not a saved model folder \\(no config.json\\)")
+
+
+@pytest.mark.parametrize("keep", [0, 4, 20, "half", "minus_one"])
+def test_a_truncated_weights_file_is_refused(model_folder, tmp_path, keep):
+    weights = model_folder / "model.safetensors"
+    size = weights.stat().st_size
+    keep = {"half": size // 2, "minus_one": size - 1}.get(keep, keep)
+    with open(weights, "r+b") as handle:
+        handle.truncate(keep)
+    for load in (VaswaniForConditionalGeneration.from_pretrained, AutoModelForSeq2SeqLM.from_pretrained):
+        with pytest.raises(OSError, match=re.escape(f"{model_folder}: the weights file (model.safetensors) cannot be "
+                                                    f"read") + ".*truncated or corrupted"):
+            load(model_folder)
+    source = write(tmp_path / "in.de", "Ein Hund.\n")
+    exits_with(lambda: translate_cli("--model", model_folder, "--input", source),
+               re.escape(f"{model_folder}: the weights cannot be used (model.safetensors is truncated"),
+               "copy it again or use another checkpoint")
+
+
+def test_weights_with_nan_bytes_are_refused(model_folder):
+    # safetensors has no checksum: bytes overwritten in place (same length) load without complaint in transformers.
+    weights = model_folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64:] = b"\xff" * 64  # float32 0xffffffff is NaN
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=re.escape(f"{model_folder}: weight ") + r".* holds NaN or infinite values"):
+        VaswaniForConditionalGeneration.from_pretrained(model_folder)

@@ -8,7 +8,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import padded_batch, tiny_config, tiny_model
+from helpers import (
+    GERMAN,
+    padded_batch,
+    tiny_config,
+    tiny_model,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -28,6 +33,7 @@ from transformers.utils import find_labels
 import vaswani_hf.configuration_vaswani as configuration_vaswani
 import vaswani_hf.modeling_vaswani as modeling
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
+from vaswani_hf.inference import translate_sentences
 from vaswani_hf.modeling_vaswani import CACHE_NAME, shift_tokens_right, sinusoidal_table
 
 ATOL = 1e-5
@@ -278,6 +284,24 @@ def test_translate_sentences_refuses_an_over_long_sentence_before_any_batch(tiny
     translate_sentences(model, tiny_tokenizer, sentences[:4], batch_size=2, generate_fn=generate, num_beams=2,
                         min_new_tokens=60)
     assert len(calls) == 2
+
+
+def test_sinusoidal_positions_extrapolate_past_the_table(tiny_tokenizer):
+    # The table holds 8 positions; the source has 30+ tokens and the output 12. The encodings are computed on the
+    # fly, exactly as a model with a bigger table (the same weights: the table is not a parameter) has them.
+    short = tiny_model(seed=3, vocab_size=len(tiny_tokenizer), max_position_embeddings=8)
+    long = tiny_model(seed=3, vocab_size=len(tiny_tokenizer), max_position_embeddings=128)
+    sentence = " ".join(GERMAN[:4])
+    batch = tiny_tokenizer([sentence], return_tensors="pt")
+    assert batch["input_ids"].shape[1] > 8 * 3
+    with torch.no_grad():
+        logits = short(**batch, decoder_input_ids=batch["input_ids"][:, :20]).logits
+        reference = long(**batch, decoder_input_ids=batch["input_ids"][:, :20]).logits
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+    kwargs = dict(num_beams=2, max_new_tokens=12)
+    out = translate_sentences(short, tiny_tokenizer, [sentence, GERMAN[5]], **kwargs)
+    assert out == translate_sentences(long, tiny_tokenizer, [sentence, GERMAN[5]], **kwargs)
 
 
 # Cache and incremental decoding -------------------------------------------------------------------------------------
@@ -556,6 +580,15 @@ def test_the_stacks_return_model_outputs_and_tuples_on_request():
         model.config.return_dict = False  # transformers' config switch
         assert type(model.get_encoder()(input_ids=ids)) is tuple
         assert type(model(input_ids=ids, decoder_input_ids=ids)) is tuple
+
+
+def test_a_label_outside_the_vocabulary_is_named_even_in_the_last_position():
+    model = tiny_model()
+    labels = torch.tensor([[5, 6, 7, 99]])  # the last label never becomes a decoder input
+    with pytest.raises(ValueError, match="labels hold token id 99, outside this model's target vocabulary of 99"):
+        model(input_ids=torch.tensor([[5, 6, 2]]), labels=labels)
+    labels[0, -1] = -100
+    assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 2]]), labels=labels).loss)
 
 
 # Initialization (fairseq's, Xavier-uniform linears) -----------------------------------------------------------------

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import tiny_config
 from transformers import TrainerControl, TrainerState
 
 from vaswani_hf.schedule import paper_optimizer_and_schedule
@@ -282,7 +283,6 @@ def test_precision_is_not_measured_where_nothing_is_to_choose(monkeypatch, cpu_b
 
 
 def test_precision_probe_uses_the_overridden_widths_and_a_saved_models_config(tmp_path):
-    from vaswani_hf import VaswaniConfig
     from vaswani_training.arguments import ModelArguments
     from vaswani_training.precision import precision_probe_config
     from vaswani_training.presets import PRESETS
@@ -290,17 +290,16 @@ def test_precision_probe_uses_the_overridden_widths_and_a_saved_models_config(tm
     config = precision_probe_config(ModelArguments(config_overrides="d_model=128,d_ff=512", vocab_size=3000),
                                     PRESETS["cpu"])
     assert (config.d_model, config.d_ff, config.num_heads, config.vocab_size) == (128, 512, 4, 3000)
-    VaswaniConfig(vocab_size=700, d_model=64, num_heads=2, d_ff=96).save_pretrained(tmp_path)
+    tiny_config(vocab_size=700, d_model=64, num_heads=2, d_ff=96).save_pretrained(tmp_path)
     saved = precision_probe_config(ModelArguments(model_name_or_path=str(tmp_path)), PRESETS["cpu"])
     assert (saved.d_model, saved.d_ff, saved.vocab_size) == (64, 96, 700)
 
 
 def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
     """The real measurement, on tiny widths; with learned positions it stays within their table."""
-    from vaswani_hf import VaswaniConfig
     from vaswani_training.precision import time_training_precisions
 
-    config = VaswaniConfig(vocab_size=300, d_model=32, encoder_layers=2, decoder_layers=2, num_heads=2, d_ff=64)
+    config = tiny_config(vocab_size=300, encoder_layers=2, decoder_layers=2, num_heads=2, d_ff=64)
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
@@ -310,8 +309,8 @@ def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
     assert 0 < fp32 < 60 and 0 < bf16 < 60
     assert (config.encoder_layers, config.decoder_layers) == (2, 2) and torch.is_grad_enabled()
     assert not torch.is_autocast_enabled("cpu")
-    learned = VaswaniConfig(vocab_size=300, d_model=32, num_heads=2, d_ff=64, position_embedding_type="learned",
-                            max_position_embeddings=4)
+    learned = tiny_config(vocab_size=300, num_heads=2, d_ff=64, position_embedding_type="learned",
+                          max_position_embeddings=4)
     assert min(time_training_precisions(learned, rows=2, length=6, repetitions=1)) > 0  # 4 tokens, not 6
 
 

@@ -1,13 +1,48 @@
-"""End to end: train a tiny model for a few steps on a slice of the shipped Multi30k, evaluate, translate, reload."""
+"""`vaswani-train` (training/train.py, called in-process) on the tiny preset and slices of the shipped Multi30k.
+
+- End to end: a few steps write the model, metrics, checkpoints and test translations; the folder loads with the Auto
+  classes and the pipeline; the console scripts run; the wheel installs the package with its data.
+- Flags mean what they say and are checked, with every model, tokenizer or position table that does not fit, before
+  the first step.
+- A run never writes into another run's folder; a resumed run is checked against the run it continues, before
+  training, and nothing of the earlier run is lost.
+- The run's outputs follow the umask, SIGTERM ends it at the next decoding step with a checkpoint, and no Hub token
+  reaches a file.
+
+Faults run for real in subprocesses (SIGKILL, then resume) are in tests/test_resume.py; the data checks through this
+command in tests/test_data.py.
+"""
 
 import json
+import os
+import re
+import shutil
+import signal
+import stat
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import (
+    GERMAN,
+    PLANTED_TOKEN,
+    ROOT,
+    copy_run,
+    exits_with,
+    listing,
+    tiny_model,
+    train_cli,
+    write_parallel,
+)
+from transformers import AutoModelForSeq2SeqLM
+
+from vaswani_hf.checks import CheckError, RunLock, read_json
+from vaswani_hf.inference import translate_sentences
+
+# End to end -----------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +95,7 @@ def test_a_run_on_a_cpu_pins_no_memory(trained):
 
 
 def test_output_folder_loads_with_auto_classes_and_pipeline(trained):
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+    from transformers import AutoTokenizer, pipeline
 
     import vaswani_hf  # noqa: F401
 
@@ -245,3 +280,316 @@ def test_paper_trainer_pins_batches_only_for_an_accelerator(tmp_path, recwarn):
     assert getattr(loader, "base_dataloader", loader).pin_memory is False
     next(iter(loader))
     assert not [w for w in recwarn if "pin_memory" in str(w.message)]
+
+
+# Flags mean what they say, and are checked before training ------------------------------------------------------------
+
+
+def test_the_dashed_max_steps_overrides_the_preset(tiny_run):
+    out, metrics = tiny_run
+    assert metrics["train_steps"] == 3  # the tiny preset's max_steps is 20
+    assert sorted(p.name for p in out.glob("checkpoint-*"))[-1] == "checkpoint-3"
+
+
+def test_given_flags_counts_every_spelling():
+    from vaswani_training.run import given_flags
+    from vaswani_training.train import build_parser
+
+    parser = build_parser()
+    assert {"max_steps", "warmup_steps", "save_steps"} <= given_flags(
+        parser, ["--max-steps", "3", "--warmup_steps=2", "--save-steps=4"])
+    # An abbreviation would set a flag without counting as given (the preset would win): refused.
+    with pytest.raises(ValueError, match="not used by the HfArgumentParser: \\['--max_st', '3'\\]"):
+        parser.parse_args_into_dataclasses(args=["--max_st", "3", "--output_dir", "x"])
+
+
+def test_config_overrides_are_refused_with_a_saved_model(tmp_path, model_folder, train_cache):
+    with pytest.raises(CheckError, match="--config_overrides .* cannot apply to --model_name_or_path"):
+        train_cli(tmp_path / "out", train_cache, "--model_name_or_path", model_folder, "--config_overrides", "d_ff=8")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truthy_string_for_a_bool_override_is_refused(tmp_path, train_cache):
+    with pytest.raises(ValueError, match="normalize_before must be true or false .* got 'no'"):
+        train_cli(tmp_path / "out", train_cache, "--max_steps", "1", "--config_overrides", "normalize_before=no")
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_average_last_is_checked_before_training(tmp_path, train_cache):
+    from vaswani_training.run_checks import check_average_last
+
+    with pytest.raises(CheckError, match="--save_total_limit 2 deletes all but 2"):
+        train_cli(tmp_path / "a", train_cache, "--max_steps", "4", "--save_steps", "1", "--average_last", "3",
+                  "--save_total_limit", "2")
+    with pytest.raises(CheckError, match="writes only 1 checkpoint"):
+        train_cli(tmp_path / "b", train_cache, "--max_steps", "4", "--save_steps", "4", "--average_last", "5")
+    for folder in (tmp_path / "a", tmp_path / "b"):
+        assert not list(folder.glob("checkpoint-*")), "refused before any training"
+    # The default limit (not the user's choice) is raised to what averaging needs.
+    assert check_average_last(6, save_total_limit=5, save_total_limit_given=False, saving=True, max_steps=60,
+                              save_steps=10, resuming=False) == 6
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lr_factor", "0"], "--lr_factor must be a positive number"),
+    (["--lr_factor", "nan"], "--lr_factor must be a positive number"),
+    (["--max_train_minutes", "0"], "--max_train_minutes must be a positive number"),
+    (["--config_overrides", "pad_token_id=5"], "--config_overrides pad_token_id: set by the joint BPE"),
+    (["--config_overrides", "d_model=64,vocab_size=300"], "--config_overrides vocab_size: set by the joint BPE"),
+])
+def test_flags_that_would_be_ignored_or_crash_are_refused(tmp_path, train_cache, flags, message):
+    with pytest.raises(CheckError, match=re.escape(message)):
+        train_cli(tmp_path / "out", train_cache, "--max_steps", "1", *flags)
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_run_output_dir_that_is_a_file_is_refused_before_work(tmp_path, train_cache):
+    (tmp_path / "out").write_text("not a folder")
+    with pytest.raises(CheckError, match="is a file, not a folder"):
+        train_cli(tmp_path / "out", train_cache, "--max_steps", "1")
+
+
+# A run never writes into another run's folder -------------------------------------------------------------------------
+
+
+def test_averaging_uses_only_this_runs_checkpoints(tiny_run):
+    out, _ = tiny_run
+    averaged = json.loads((out / "averaged_from.json").read_text())["averaged_checkpoints"]
+    assert [Path(p).name for p in averaged] == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_another_runs_folder_is_refused_unless_overwritten(tiny_run, tmp_path, train_cache):
+    earlier, _ = tiny_run
+    folder = tmp_path / "shared"
+    for step in (100, 200):  # an earlier, longer run's checkpoints: newer by step than anything the new run writes
+        shutil.copytree(earlier / "checkpoint-3", folder / f"checkpoint-{step}")
+    before = listing(folder)
+    with pytest.raises(CheckError, match="holds another run .* --overwrite_output_dir"):
+        train_cli(folder, train_cache, "--max_steps", "2", "--save_steps", "1", "--average_last", "2")
+    assert listing(folder) == before, "nothing written into the earlier run"
+    train_cli(folder, train_cache, "--max_steps", "2", "--save_steps", "1", "--average_last", "2",
+              "--overwrite_output_dir")
+    averaged = json.loads((folder / "averaged_from.json").read_text())["averaged_checkpoints"]
+    assert [Path(p).name for p in averaged] == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, train_cache):
+    folder = tmp_path / "busy"
+    with RunLock(folder):
+        with pytest.raises(CheckError, match="another run is writing this folder"):
+            train_cli(folder, train_cache, "--max_steps", "1")
+    assert not list(folder.glob("checkpoint-*"))
+    with RunLock(folder):  # released: the next run may take it
+        pass
+
+
+# Resuming: checked before training, nothing of the earlier run lost ---------------------------------------------------
+
+
+def plant_nan(checkpoint: Path) -> None:
+    """One tensor of a checkpoint's weights set to NaN, as a run that diverged saves it."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(checkpoint / "model.safetensors")
+    name = next(name for name in weights if name.endswith("fc2.bias"))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, checkpoint / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_resuming_a_checkpoint_with_nan_weights_is_refused_before_training(tiny_run, tmp_path, train_cache):
+    source = copy_run(tiny_run, tmp_path)
+    plant_nan(source / "checkpoint-3")
+    before = listing(source)
+    for value in ("last", str(source / "checkpoint-3")):
+        with pytest.raises(CheckError, match=re.escape(f"the weights of {source / 'checkpoint-3'} hold NaN or infinite "
+                                                       f"values (1 tensor(s)") + r"[\s\S]*newest earlier checkpoint "
+                                             r"with finite weights is .*checkpoint-2"):
+            train_cli(source, train_cache, "--max_steps", "5", "--save_steps", "1", "--resume_from_checkpoint", value)
+    assert listing(source) == before, "the run's model, metrics and translations are untouched"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max_tokens", "1024"], "--max_tokens: the run has 512, this command 1024"),
+    (["--preset", "cpu"], "--preset: the run has 'tiny', this command 'cpu'"),
+    (["--lr_factor", "2.0"], "--lr_factor: the run has 1.0, this command 2.0"),
+])
+def test_resuming_with_other_settings_is_refused_before_training(tiny_run, tmp_path, train_cache, flags, message):
+    source = copy_run(tiny_run, tmp_path)
+    before = listing(source)
+    with pytest.raises(CheckError, match=re.escape(message) + ".*pass the run's values"):
+        train_cli(source, train_cache, "--max_steps", "5", "--save_steps", "1", "--resume_from_checkpoint", "last",
+                  *flags)
+    assert listing(source) == before
+
+
+def test_resuming_a_checkpoint_without_settings_compares_the_models_shape(tiny_run, tmp_path, train_cache):
+    from vaswani_training.run_checks import RUN_SETTINGS
+
+    source = copy_run(tiny_run, tmp_path)
+    (source / "checkpoint-3" / RUN_SETTINGS).unlink()
+    with pytest.raises(CheckError, match=r"config d_model: the run has 32, this command 256"):
+        train_cli(source, train_cache, "--max_steps", "5", "--resume_from_checkpoint", "last", "--preset", "cpu")
+
+
+def test_a_resumed_run_with_too_few_checkpoints_to_average_is_refused_before_training(tiny_run, tmp_path, train_cache):
+    source = copy_run(tiny_run, tmp_path)
+    before = listing(source)
+    with pytest.raises(CheckError, match=r"--average_last 5: resuming checkpoint-3 to --max_steps 4 with "
+                                         r"--save_steps 1 leaves 4 checkpoint\(s\)"):
+        train_cli(source, train_cache, "--max_steps", "4", "--save_steps", "1", "--resume_from_checkpoint", "last",
+                  "--average_last", "5")
+    assert listing(source) == before
+
+
+def test_a_resumed_run_stopped_in_its_test_translation_leaves_no_old_metrics_beside_new_weights(
+        tiny_run, tmp_path, train_cache, monkeypatch):
+    """A resumed run writes its model, then is killed while it translates the test set: the earlier metrics and
+    translations were moved aside first, so that the export publishes no BLEU for the new weights; put back, they are
+    refused."""
+    import vaswani_training.evaluate_bleu
+    from vaswani_training.export import main as export_main
+
+    source = copy_run(tiny_run, tmp_path)
+    old_metrics = (source / "metrics.json").read_bytes()
+    old_translations = (source / "test_translations.txt").read_bytes()
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed during the test translation")
+
+    monkeypatch.setattr(vaswani_training.evaluate_bleu, "evaluate_test_set", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_cli(source, train_cache, "--max_steps", "4", "--save_steps", "1", "--resume_from_checkpoint", "last")
+    assert (source / "checkpoint-4").is_dir()
+    assert not (source / "metrics.json").exists() and not (source / "test_translations.txt").exists()
+    assert (source / "metrics.step-3.json").read_bytes() == old_metrics, "kept, under another name"
+    assert (source / "test_translations.step-3.txt").read_bytes() == old_translations
+    exported = tmp_path / "export"
+    assert export_main(["--model_dir", str(source), "--output_dir", str(exported)]) == 0
+    readme = (exported / "README.md").read_text(encoding="utf-8")
+    assert str(json.loads(old_metrics)["test_bleu_signature"]) not in readme and "model-index" not in readme
+    assert "carries no record of how the model was trained" in readme
+    (source / "metrics.json").write_bytes(old_metrics)  # a user puts the old file back
+    exits_with(lambda: export_main(["--model_dir", str(source), "--output_dir", str(tmp_path / "again")]),
+               re.escape(f"{source / 'metrics.json'} does not describe the weights in {source}"), "vaswani-evaluate")
+    assert not (tmp_path / "again").exists()
+
+
+# The run's outputs: permissions, SIGTERM, no secrets, the tokenizer cache ---------------------------------------------
+
+
+def test_the_runs_outputs_follow_the_umask(tiny_run):
+    from vaswani_hf.checks import current_umask
+
+    out, _ = tiny_run
+    mask = current_umask()
+    for path in (out / "metrics.json", out / "test_translations.txt", out / "model.safetensors",
+                 out / "averaged_from.json", out / "checkpoint-3" / "model.safetensors",
+                 out / "checkpoint-3" / "vaswani_run.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask, path
+
+
+def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, train_cache, monkeypatch):
+    """SIGTERM while the validation set is being translated: the batch ends at its next token, the rest of the
+    validation set is skipped, the step's checkpoint is saved and the run ends without the test translation (a
+    scheduler's SIGKILL follows), with metrics.json saying so."""
+    from transformers import Seq2SeqTrainer
+
+    from vaswani_training.run_checks import checkpoint_problems
+
+    original = Seq2SeqTrainer.prediction_step
+    lengths = []
+
+    def first_batch_then_sigterm(self, *args, **kwargs):
+        if not lengths:
+            os.kill(os.getpid(), signal.SIGTERM)
+        output = original(self, *args, **kwargs)
+        lengths.append(int(output[1].ne(self.model.config.pad_token_id).sum(-1).max()))  # Trainer pads them
+        return output
+
+    monkeypatch.setattr(Seq2SeqTrainer, "prediction_step", first_batch_then_sigterm)
+    out = tmp_path / "out"
+    metrics = train_cli(out, train_cache, "--max_steps", "6", "--save_steps", "100", "--eval_strategy", "steps",
+                        "--eval_steps", "2", "--max_eval_samples", "40", "--per_device_eval_batch_size", "4",
+                        "--generation_max_length", "128")
+    assert len(lengths) == 1 and lengths[0] <= 3, lengths  # 1 of 10 batches, cut after its first token
+    assert metrics["train_steps"] == 2 and metrics["stopped_by"] == "SIGTERM" and "test_bleu" not in metrics
+    assert json.loads((out / "metrics.json").read_text())["stopped_by"] == "SIGTERM"
+    assert not (out / "test_translations.txt").exists()
+    assert checkpoint_problems(out / "checkpoint-2") == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler is given back after training"
+
+
+def test_the_hub_token_is_in_no_file_of_a_run_or_an_export(tiny_run, tmp_path):
+    from vaswani_training.export import main as export_main
+
+    out, _ = tiny_run
+    exported = tmp_path / "export"
+    assert export_main(["--model_dir", str(out), "--output_dir", str(exported), "--hub_token", PLANTED_TOKEN]) == 0
+    files = [p for folder in (out, exported) for p in folder.rglob("*") if p.is_file()]
+    assert any(p.name == "training_args.bin" for p in files), "the search covers Trainer's pickled arguments"
+    leaked = [str(p) for p in files if PLANTED_TOKEN.encode() in p.read_bytes()]
+    assert not leaked, f"the token was written to {leaked}"
+
+
+def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
+    from vaswani_training.arguments import DataArguments, ModelArguments
+    from vaswani_training.prepare import get_tokenizer
+
+    data = {"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."}, {"de": "Eine Katze.", "en": "A cat."}]}
+    model_args = ModelArguments(cache_dir=str(tmp_path))
+    first = get_tokenizer(model_args, data, DataArguments(), 300)
+    (cached,) = (tmp_path / "tokenizers").iterdir()
+    (cached / "tokenizer.json").write_text('{"version": ')
+    again = get_tokenizer(model_args, data, DataArguments(), 300)
+    assert again.get_vocab() == first.get_vocab()
+    assert read_json(cached / "tokenizer.json")["model"]["type"] == "BPE", "the cache entry is rebuilt"
+
+
+# Model, tokenizer and positions that do not fit are refused before the first step -------------------------------------
+
+
+def test_train_cli_tokenizer_of_another_size_than_the_model(tmp_path, model_folder, tiny_tokenizer):
+    small = tmp_path / "small"
+    tiny_model().save_pretrained(small)  # vocabulary of 99, the tokenizer has 420
+    prefix = write_parallel(tmp_path / "data")
+    with pytest.raises(ValueError, match=f"tokenizer has {len(tiny_tokenizer)} entries but the model's vocabulary "
+                                         f"has 99; pass the tokenizer saved with the model"):
+        train_cli(tmp_path / "out", tmp_path / "cache", "--max_steps", "1", "--train_file", prefix,
+                  "--model_name_or_path", small, "--tokenizer_name", model_folder)
+
+
+def test_train_cli_impossible_config_sizes(tmp_path):
+    prefix = write_parallel(tmp_path / "data")
+    one_step = (tmp_path / "out", tmp_path / "cache", "--max_steps", "1", "--train_file", prefix)
+    with pytest.raises(ValueError, match=r"d_model \(30\) must be divisible by num_heads \(4\).*num_heads=3"):
+        train_cli(*one_step, "--config_overrides", "d_model=30,num_heads=4")
+    with pytest.raises(ValueError, match="d_ff must be a positive integer, got 0"):
+        train_cli(*one_step, "--config_overrides", "d_ff=0")
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.5"):
+        train_cli(*one_step, "--config_overrides", "dropout=1.5")
+
+
+def test_learned_positions_refuse_long_input_when_translating_and_training(tmp_path, tiny_tokenizer):
+    model = tiny_model(vocab_size=len(tiny_tokenizer), position_embedding_type="learned",
+                       max_position_embeddings=8)
+    with pytest.raises(ValueError, match=r"Sequence of \d+ tokens is longer than max_position_embeddings=8.*"
+                                         r"Truncate the input"):
+        translate_sentences(model, tiny_tokenizer, [" ".join(GERMAN[:2])], num_beams=1, max_new_tokens=3)
+    # Generating past the table fails the same way, at the first position past it.
+    with pytest.raises(ValueError, match=r"Sequence of 9 tokens is longer than max_position_embeddings=8"):
+        model.generate(input_ids=torch.tensor([[5, 6, 2]]), num_beams=1, min_new_tokens=12, max_new_tokens=12)
+    # The train command refuses before the first step.
+    prefix = write_parallel(tmp_path / "data")
+    with pytest.raises(ValueError, match=r"learned positions for 16 tokens \(max_position_embeddings\), fewer than "
+                                         r"--max_source_length 256, --max_target_length 256.*sinusoidal"):
+        train_cli(tmp_path / "out", tmp_path / "cache", "--max_steps", "1", "--train_file", prefix,
+                  "--config_overrides", "position_embedding_type=learned,max_position_embeddings=16")
+    # The loop without Trainer runs the same check, with the same message.
+    from vaswani_training.train_no_trainer import main as train_no_trainer
+
+    with pytest.raises(ValueError, match=r"learned positions for 16 tokens \(max_position_embeddings\), fewer than "
+                                         r"--max_source_length 256, --max_target_length 256.*sinusoidal"):
+        train_no_trainer(["--preset", "tiny", "--output_dir", str(tmp_path / "nt"), "--cache_dir",
+                          str(tmp_path / "cache"), "--max_steps", "1", "--cpu_bf16", "no", "--train_file", prefix,
+                          "--config_overrides", "position_embedding_type=learned,max_position_embeddings=16"])
+    assert not list((tmp_path / "nt").glob("*checkpoint-*"))
