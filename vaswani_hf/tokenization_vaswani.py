@@ -15,7 +15,7 @@ Design:
 - byte fallback: characters the BPE never saw are spelled as UTF-8 byte tokens `<0x00>`..`<0xFF>` instead of
   `<unk>`, so `tokenizer.decode(tokenizer(text).input_ids, skip_special_tokens=True) == text` for any string, with
   one exception: the character "▁" (U+2581) itself, which stands for a space and decodes as one (tests/
-  test_properties.py checks this on arbitrary Unicode with a BPE learned from Multi30k). A Python string holding a
+  test_tokenization.py checks this on arbitrary Unicode with a BPE learned from Multi30k). A Python string holding a
   lone surrogate (U+D800..U+DFFF, e.g. from `errors="surrogateescape"`) is not Unicode text: `tokenizers` refuses it
   with a TypeError;
 - special-token strings written in the text ("<s>", "</s>", ...) are tokenized as text (`split_special_tokens=True`),
