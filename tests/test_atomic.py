@@ -17,9 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import (
-    ROOT,
-)
+from helpers import ROOT
 
 from vaswani_training.atomic import write_json_atomic, write_lines_atomic
 

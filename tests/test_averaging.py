@@ -11,13 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import (
-    ROOT,
-    copy_run,
-    exits_with,
-    listing,
-    tiny_model,
-)
+from helpers import ROOT, copy_run, exits_with, listing, tiny_model
 from safetensors.torch import load_file
 
 from vaswani_hf import VaswaniForConditionalGeneration
@@ -250,8 +244,6 @@ def test_the_averaged_folder_follows_the_umask(run_dir, tmp_path, umask):
 
 
 def test_averaging_never_replaces_the_runs_own_model(tiny_run, tmp_path):
-    from vaswani_training.average_checkpoints import main as average_main
-
     source = copy_run(tiny_run, tmp_path)
     before = listing(source)
     for output in (source, tmp_path):

@@ -18,7 +18,16 @@ import copy
 
 import pytest
 import torch
-from helpers import padded_batch, sentences_differing_from_greedy, tiny_model
+from helpers import (
+    BOS,
+    EOS,
+    PAD,
+    copy_sources,
+    padded_batch,
+    sentences_differing_from_greedy,
+    tiny_model,
+    trained_copy_model,
+)
 
 from vaswani_hf.modeling_vaswani import check_input_ids
 
@@ -165,8 +174,6 @@ def test_transformers_seq2seq_exportable_module_exports_and_its_greedy_loop_matc
     # transformers' ExecuTorch path (integrations.executorch): torch.export of get_encoder() and of get_decoder() with
     # a static cache, then its own greedy loop, which reads `outputs[0]` of the decoder and starts from token 0.
     executorch = pytest.importorskip("transformers.integrations.executorch")
-    from helpers import EOS, copy_sources, trained_copy_model
-
     model = trained_copy_model(steps=60, decoder_start_token_id=0)  # trained to start from 0, as the loop does
     exportable = executorch.Seq2SeqLMExportableModule(model, batch_size=1, max_hidden_seq_length=64,
                                                       max_cache_length=32).export()
@@ -192,8 +199,6 @@ MAX_LENGTH = 20
 def copy_generation():
     """A copy model trained 200 steps (good enough to copy most sentences, unsure enough that beam 4 and greedy
     disagree on some), 48 sources of 2-12 words, and `generate()`'s greedy and beam-4 (length penalty 0.6) tokens."""
-    from helpers import BOS, EOS, PAD, copy_sources, trained_copy_model
-
     model = trained_copy_model(steps=200)
     ids, mask = copy_sources(seed=5, batch=48, max_len=12)
     assert mask.eq(0).any(), "padded rows: the source mask matters"

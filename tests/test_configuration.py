@@ -5,12 +5,7 @@ import re
 
 import pytest
 import torch
-from helpers import (
-    exits_with,
-    tiny_config,
-    tiny_model,
-    translate_cli,
-)
+from helpers import exits_with, tiny_config, tiny_model, translate_cli
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from transformers import (

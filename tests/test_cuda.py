@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENGLISH, GERMAN, ROOT, free_port, tiny_model, write_jsonl
+from helpers import ENGLISH, GERMAN, ROOT, copy_sources, free_port, tiny_model, trained_copy_model, write_jsonl
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration
 
@@ -255,8 +255,6 @@ def test_beam_search_on_cuda_keeps_finished_sentences_in_the_batch_by_default(ex
     """On a GPU the default (`skip_finished_sentences = None`) runs every step on the whole batch (leaving finished
     sentences out saves no launches and costs a host sync a step); `True` turns the skipping on, with the same
     sequences."""
-    from helpers import copy_sources, trained_copy_model
-
     model = trained_copy_model(steps=40).cuda()
     ids, mask = (t.cuda() for t in copy_sources(seed=3, batch=12, min_len=1, max_len=9))
     runs = {}

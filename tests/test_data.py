@@ -12,13 +12,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import (
-    ENGLISH,
-    ROOT,
-    train_cli,
-    write,
-    write_parallel,
-)
+from helpers import ENGLISH, ROOT, train_cli, write, write_parallel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

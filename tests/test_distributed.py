@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENGLISH, GERMAN, ROOT, free_port, write_jsonl
+from helpers import ENGLISH, GERMAN, ROOT, free_port, tiny_model, write_jsonl
 
 CONFIGS = ROOT / "training" / "accelerate_configs"
 LOSS_RTOL = 1e-5
@@ -306,8 +306,6 @@ def launch_env(config: str):
 
 def test_accelerate_configs(monkeypatch):
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from helpers import tiny_model
-
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == [
         "cpu_2proc.yaml", "fsdp_big.yaml", "multi_gpu_ddp_bf16.yaml", "single_gpu.yaml"]
     args, _ = launch_env("single_gpu.yaml")

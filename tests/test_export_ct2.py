@@ -11,7 +11,19 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import COPY_TASK, COPY_VOCAB, PAD, ROOT, copy_sources, tiny_config, tiny_model, trained_copy_model
+from helpers import (
+    COPY_TASK,
+    COPY_VOCAB,
+    PAD,
+    ROOT,
+    copy_run,
+    copy_sources,
+    exits_with,
+    listing,
+    tiny_config,
+    tiny_model,
+    trained_copy_model,
+)
 
 try:
     import ctranslate2
@@ -19,12 +31,6 @@ except ImportError as error:  # an optional dependency of the package, but a req
     raise ImportError("tests/test_export_ct2.py needs ctranslate2: pip install ctranslate2 (it is in the dev "
                       "extras: pip install -e '.[dev]').") from error
 
-
-from helpers import (
-    copy_run,
-    exits_with,
-    listing,
-)
 
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.export_ct2 import build_ct2_spec, ct2_translate, export_ct2

@@ -20,12 +20,7 @@ import re
 
 import pytest
 import torch
-from helpers import (
-    GERMAN,
-    padded_batch,
-    sentences_differing_from_greedy,
-    tiny_model,
-)
+from helpers import GERMAN, copy_sources, padded_batch, sentences_differing_from_greedy, tiny_model, trained_copy_model
 from transformers import (
     GenerationMixin,
     LogitsProcessor,
@@ -508,8 +503,6 @@ def test_beam_search_leaves_finished_sentences_out_and_returns_the_same(kwargs):
     """The first decoding step runs once per sentence, and after the step in which a sentence is finished, decoding
     steps run on the open sentences' rows only; generate() returns exactly what it returns when every step runs on
     the whole batch."""
-    from helpers import copy_sources, trained_copy_model
-
     model = trained_copy_model(steps=40)
     ids, mask = copy_sources(seed=3, batch=12, min_len=1, max_len=9)  # outputs of 2 to 10 tokens
     rows = []

@@ -29,7 +29,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import padded_batch, sentences_differing_from_greedy, tiny_model
+from helpers import padded_batch, sentences_differing_from_greedy, tiny_model, trained_copy_model
 
 from vaswani_hf import kernels_vaswani
 from vaswani_hf.kernels_vaswani import RealTokens, VaswaniLinear
@@ -134,8 +134,6 @@ def labelled_batch():
 
 
 def test_sdpa_in_bf16_on_cpu_computes_the_scores_in_fp32(monkeypatch):
-    from helpers import trained_copy_model
-
     from vaswani_hf import modeling_vaswani
 
     calls, half = record_cpu_attention(monkeypatch)
@@ -716,8 +714,6 @@ def test_packed_step_under_gradient_checkpointing_and_bf16(monkeypatch):
 def test_packed_step_in_bf16_on_a_trained_model(monkeypatch):
     # A copy model, whose loss depends on where each source token is (an untrained model's loss is about ln V
     # whatever the packing does), under bf16 autocast.
-    from helpers import trained_copy_model
-
     model = trained_copy_model(steps=200).train()
     ids, mask, labels = copy_task_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):

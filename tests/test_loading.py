@@ -22,16 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (
-    ROOT,
-    evaluate_cli,
-    exits_with,
-    padded_batch,
-    tiny_config,
-    tiny_model,
-    translate_cli,
-    write,
-)
+from helpers import ROOT, evaluate_cli, exits_with, padded_batch, tiny_config, tiny_model, translate_cli, write
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file

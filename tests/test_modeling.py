@@ -8,12 +8,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import (
-    GERMAN,
-    padded_batch,
-    tiny_config,
-    tiny_model,
-)
+from helpers import GERMAN, padded_batch, tiny_config, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open

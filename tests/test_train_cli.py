@@ -33,6 +33,7 @@ from helpers import (
     copy_run,
     exits_with,
     listing,
+    padded_batch,
     tiny_model,
     train_cli,
     write_parallel,
@@ -208,7 +209,6 @@ def test_the_wheel_installs_vaswani_hf_with_its_data_and_vaswani_training(tmp_pa
 def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
     """§5.4: the recipe trains on the label-smoothed loss (config.label_smoothing, 0.1); eval_loss is the model's
     plain cross-entropy, the number transformers users read as log-perplexity."""
-    from helpers import padded_batch, tiny_model
     from transformers import Seq2SeqTrainingArguments
 
     from vaswani_training.train import PaperTrainer
@@ -233,7 +233,6 @@ def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
 
 def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
     """§5.3's Adam(0.9, 0.98, 1e-9), as one fused kernel on the CPU; its updates equal the foreach Adam's."""
-    from helpers import tiny_model
     from transformers import Seq2SeqTrainingArguments
 
     from vaswani_hf.schedule import paper_adam
@@ -262,7 +261,6 @@ def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
 
 def test_paper_trainer_pins_batches_only_for_an_accelerator(tmp_path, recwarn):
     """On a CPU the training batches are not pinned (nothing to copy them to; torch would warn at every epoch)."""
-    from helpers import tiny_model
     from transformers import Seq2SeqTrainingArguments
 
     from vaswani_training.train import PaperTrainer

@@ -25,33 +25,7 @@ from transformers import AutoModelForSeq2SeqLM
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.inference import translate_sentences
 
-
-def test_gnmt_decoding_honours_max_new_tokens(model_folder, tmp_path, tiny_tokenizer):
-    source = tmp_path / "in.de"
-    source.write_text("Ein Hund läuft über die Wiese.\nZwei Kinder spielen.\n", encoding="utf-8")
-    out = tmp_path / "out.en"
-    translate_cli("--model", model_folder, "--input", source, "--output", out, "--length_penalty_style", "gnmt",
-                  "--max_new_tokens", "2", "--device", "cpu")
-    for line in out.read_text(encoding="utf-8").splitlines():  # an untrained model would go on to input length + 50
-        assert len(tiny_tokenizer(line, add_special_tokens=False)["input_ids"]) <= 2
-
-
-def test_evaluate_never_replaces_the_runs_metrics(tiny_run, tmp_path):
-    from vaswani_training.evaluate_bleu import main as evaluate_main
-
-    source = copy_run(tiny_run, tmp_path)
-    metrics = source / "metrics.json"
-    before = metrics.read_bytes()
-    exits_with(lambda: evaluate_main(["--model", str(source), "--output", str(metrics), "--max_test_samples", "2"]),
-               re.escape(f"--output {metrics} is a file of the model folder"))
-    kept = tmp_path / "kept.json"
-    kept.write_bytes(before)
-    exits_with(lambda: evaluate_main(["--model", str(source), "--output", str(kept), "--max_test_samples", "2"]),
-               r"holds a training run's metrics \(\d+ fields, train_steps 3\)")
-    assert metrics.read_bytes() == before == kept.read_bytes()
-    assert evaluate_main(["--model", str(source), "--max_test_samples", "2"]) == 0
-    scores = json.loads((source / "test_metrics.json").read_text())
-    assert scores["weights_sha256"] == json.loads(before)["weights_sha256"], "the same weights, the same fingerprint"
+# Outputs, devices and the model folder, checked before anything is translated -----------------------------------------
 
 
 def test_translate_output_is_checked_before_translating(model_folder, tmp_path, monkeypatch):
@@ -94,6 +68,44 @@ def test_a_tokenizer_of_another_size_is_refused(model_folder, tmp_path):
     source.write_text("Ein Hund.\n", encoding="utf-8")
     exits_with(lambda: translate_cli("--model", model_folder, "--input", source),
                re.escape(str(model_folder / "tokenizer.json")), "does not belong to this model")
+
+
+def test_pickled_weights_and_missing_tokenizer_are_refused_by_the_commands(model_folder, tmp_path):
+    source = write(tmp_path / "in.de", "Ein Hund.\n")
+    (model_folder / "tokenizer.json").unlink()
+    exits_with(lambda: translate_cli("--model", model_folder, "--input", source), "no tokenizer.json beside the model")
+    weights = model_folder / "model.safetensors"
+    from safetensors.torch import load_file
+
+    torch.save(load_file(weights), model_folder / "pytorch_model.bin")
+    weights.unlink()
+    exits_with(lambda: translate_cli("--model", model_folder, "--input", source),
+               "weights are only in pytorch_model.bin, a pickle", "reads weights from model.safetensors only")
+    # The library refuses it too (use_safetensors defaults to True for this model), through either class.
+    for load in (VaswaniForConditionalGeneration.from_pretrained, AutoModelForSeq2SeqLM.from_pretrained):
+        with pytest.raises(OSError, match="no file named model.safetensors"):
+            load(model_folder)
+
+
+def test_evaluate_never_replaces_the_runs_metrics(tiny_run, tmp_path):
+    from vaswani_training.evaluate_bleu import main as evaluate_main
+
+    source = copy_run(tiny_run, tmp_path)
+    metrics = source / "metrics.json"
+    before = metrics.read_bytes()
+    exits_with(lambda: evaluate_main(["--model", str(source), "--output", str(metrics), "--max_test_samples", "2"]),
+               re.escape(f"--output {metrics} is a file of the model folder"))
+    kept = tmp_path / "kept.json"
+    kept.write_bytes(before)
+    exits_with(lambda: evaluate_main(["--model", str(source), "--output", str(kept), "--max_test_samples", "2"]),
+               r"holds a training run's metrics \(\d+ fields, train_steps 3\)")
+    assert metrics.read_bytes() == before == kept.read_bytes()
+    assert evaluate_main(["--model", str(source), "--max_test_samples", "2"]) == 0
+    scores = json.loads((source / "test_metrics.json").read_text())
+    assert scores["weights_sha256"] == json.loads(before)["weights_sha256"], "the same weights, the same fingerprint"
+
+
+# Input lines: every length checked first, output lines aligned with input lines ---------------------------------------
 
 
 @pytest.fixture
@@ -151,30 +163,6 @@ def test_cr_only_input_is_translated_line_by_line(model_folder, tmp_path):
     assert len(lines) == 5 and lines[2] == "" and lines[4] == "", lines  # 4 lines, the empty one kept
 
 
-@pytest.mark.parametrize("command", ["translate", "evaluate"])
-def test_a_non_integer_batch_size_names_the_flag(model_folder, tmp_path, capsys, command):
-    run = translate_cli if command == "translate" else evaluate_cli
-    with pytest.raises(SystemExit) as error:
-        run("--model", model_folder, "--batch_size", "2.5")
-    assert error.value.code == 2 and "argument --batch_size: invalid int value: '2.5'" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("flag", "value", "message"),
-    [
-        ("--num_beams", 0, "--num_beams must be >= 1, got 0"),
-        ("--max_new_tokens", -1, "--max_new_tokens must be >= 1, got -1"),
-        ("--batch_size", 0, "--batch_size must be >= 1, got 0"),
-        ("--length_penalty", "nan", "--length_penalty must be a finite number, got nan"),
-    ],
-)
-def test_translate_and_evaluate_commands_reject_out_of_range_arguments(model_folder, tmp_path, flag, value, message):
-    source = write(tmp_path / "in.de", "Ein Hund.\n")
-    exits_with(lambda: translate_cli("--model", model_folder, "--input", source, flag, value), re.escape(message))
-    if flag != "--max_new_tokens":  # evaluate has no --max_new_tokens
-        exits_with(lambda: evaluate_cli("--model", model_folder, flag, value), re.escape(message))
-
-
 def test_empty_input_for_translation(model_folder, tmp_path, tiny_tokenizer, monkeypatch):
     model = tiny_model(vocab_size=len(tiny_tokenizer))
     with pytest.raises(ValueError, match="the input list is empty; there is nothing to translate"):
@@ -212,18 +200,38 @@ def test_translate_command_names_the_non_utf8_line_and_keeps_lines_aligned(model
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
 
 
-def test_pickled_weights_and_missing_tokenizer_are_refused_by_the_commands(model_folder, tmp_path):
-    source = write(tmp_path / "in.de", "Ein Hund.\n")
-    (model_folder / "tokenizer.json").unlink()
-    exits_with(lambda: translate_cli("--model", model_folder, "--input", source), "no tokenizer.json beside the model")
-    weights = model_folder / "model.safetensors"
-    from safetensors.torch import load_file
+# Decoding flags -------------------------------------------------------------------------------------------------------
 
-    torch.save(load_file(weights), model_folder / "pytorch_model.bin")
-    weights.unlink()
-    exits_with(lambda: translate_cli("--model", model_folder, "--input", source),
-               "weights are only in pytorch_model.bin, a pickle", "reads weights from model.safetensors only")
-    # The library refuses it too (use_safetensors defaults to True for this model), through either class.
-    for load in (VaswaniForConditionalGeneration.from_pretrained, AutoModelForSeq2SeqLM.from_pretrained):
-        with pytest.raises(OSError, match="no file named model.safetensors"):
-            load(model_folder)
+
+def test_gnmt_decoding_honours_max_new_tokens(model_folder, tmp_path, tiny_tokenizer):
+    source = tmp_path / "in.de"
+    source.write_text("Ein Hund läuft über die Wiese.\nZwei Kinder spielen.\n", encoding="utf-8")
+    out = tmp_path / "out.en"
+    translate_cli("--model", model_folder, "--input", source, "--output", out, "--length_penalty_style", "gnmt",
+                  "--max_new_tokens", "2", "--device", "cpu")
+    for line in out.read_text(encoding="utf-8").splitlines():  # an untrained model would go on to input length + 50
+        assert len(tiny_tokenizer(line, add_special_tokens=False)["input_ids"]) <= 2
+
+
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
+def test_a_non_integer_batch_size_names_the_flag(model_folder, tmp_path, capsys, command):
+    run = translate_cli if command == "translate" else evaluate_cli
+    with pytest.raises(SystemExit) as error:
+        run("--model", model_folder, "--batch_size", "2.5")
+    assert error.value.code == 2 and "argument --batch_size: invalid int value: '2.5'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--num_beams", 0, "--num_beams must be >= 1, got 0"),
+        ("--max_new_tokens", -1, "--max_new_tokens must be >= 1, got -1"),
+        ("--batch_size", 0, "--batch_size must be >= 1, got 0"),
+        ("--length_penalty", "nan", "--length_penalty must be a finite number, got nan"),
+    ],
+)
+def test_translate_and_evaluate_commands_reject_out_of_range_arguments(model_folder, tmp_path, flag, value, message):
+    source = write(tmp_path / "in.de", "Ein Hund.\n")
+    exits_with(lambda: translate_cli("--model", model_folder, "--input", source, flag, value), re.escape(message))
+    if flag != "--max_new_tokens":  # evaluate has no --max_new_tokens
+        exits_with(lambda: evaluate_cli("--model", model_folder, flag, value), re.escape(message))
