@@ -1,6 +1,7 @@
 """The time-budget planner of the cpu preset (training/planner.py): it measures the first steps, plans the number
 of updates that fit the budget of the whole command, ends the schedule there with a cooldown, and stops training."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -306,7 +307,7 @@ def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
     with torch.no_grad():  # the measured step needs gradients whatever the caller's mode
         fp32, bf16 = time_training_precisions(config, rows=4, length=6, repetitions=2)
     assert torch.equal(torch.rand(3), expected)
-    assert 0 < fp32 < 60 and 0 < bf16 < 60
+    assert all(math.isfinite(t) and t > 0 for t in (fp32, bf16))  # a measurement, not a speed: no upper bound
     assert (config.encoder_layers, config.decoder_layers) == (2, 2) and torch.is_grad_enabled()
     assert not torch.is_autocast_enabled("cpu")
     learned = tiny_config(vocab_size=300, num_heads=2, d_ff=64, position_embedding_type="learned",
