@@ -12,10 +12,10 @@ import copy
 
 import pytest
 import torch
-from helpers import padded_batch, tiny_model
+from helpers import multi30k_batch, multi30k_tokenizer, padded_batch, tiny_model, trained_multi30k_model
 from transformers import MarianConfig, MarianMTModel
 
-from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, conversion_marian, train_joint_bpe
+from vaswani_hf import VaswaniForConditionalGeneration, conversion_marian
 from vaswani_hf.conversion_marian import from_marian, marian_permutation, to_marian
 from vaswani_hf.data import multi30k_file, read_lines
 from vaswani_hf.kernels_vaswani import RealTokens
@@ -45,7 +45,7 @@ WRONG_PERMUTATIONS = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_joint_bpe([multi30k_file("train", "de"), multi30k_file("train", "en")], vocab_size=2000)
+    return multi30k_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -55,21 +55,8 @@ def test_pairs():
 
 @pytest.fixture(scope="module")
 def model(tokenizer) -> VaswaniForConditionalGeneration:
-    """The model under test, fp32, eval mode: 200 Adam steps of 32 Multi30k De->En pairs (loss ~4, from ~7.6)."""
-    german, english = read_lines(multi30k_file("train", "de"))[:4000], read_lines(multi30k_file("train", "en"))[:4000]
-    torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(VaswaniConfig(
-        vocab_size=len(tokenizer), d_model=64, encoder_layers=2, decoder_layers=2, num_heads=4, d_ff=128,
-        dropout=0.0, max_position_embeddings=128)).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        rows = torch.randint(0, len(german), (32,), generator=generator).tolist()
-        batch = _batch(tokenizer, [german[i] for i in rows], [english[i] for i in rows])
-        model(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.eval()
+    """The model under test: 200 Adam steps of 32 Multi30k De->En pairs (loss ~4, from ~7.6)."""
+    return trained_multi30k_model(tokenizer, steps=200)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +64,6 @@ def reference(model) -> MarianMTModel:
     return to_marian(model).eval()
 
 
-def _batch(tokenizer, german: list[str], english: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Padded source ids and mask; with `english`, labels padded with -100."""
-    batch = dict(tokenizer(german, text_target=english, return_tensors="pt", padding=True, truncation=True,
-                           max_length=64))
-    if english is not None:
-        batch["labels"] = batch["labels"].masked_fill(batch["labels"].eq(tokenizer.pad_token_id), -100)
-    return batch
 
 
 def _pad_after_eos(sequences: torch.Tensor, eos: int = 2, pad: int = 0) -> torch.Tensor:
@@ -105,7 +85,7 @@ def _rows(sequences: torch.Tensor) -> list[tuple[int, ...]]:
 def _decode(model, tokenizer, sentences: list[str], **settings) -> list[tuple[int, ...]]:
     rows = []
     for start in range(0, len(sentences), BATCH):
-        batch = _batch(tokenizer, sentences[start: start + BATCH])
+        batch = multi30k_batch(tokenizer, sentences[start: start + BATCH])
         rows += _rows(model.generate(**batch, **DECODING, **settings))
     return rows
 
@@ -139,7 +119,7 @@ def test_permutation_puts_sines_first():
 
 
 def test_logits_match_on_padded_batches(model, reference, tokenizer, test_pairs):
-    batch = _batch(tokenizer, *(side[:BATCH] for side in test_pairs))
+    batch = multi30k_batch(tokenizer, *(side[:BATCH] for side in test_pairs))
     assert batch["attention_mask"].eq(0).any() and batch["labels"].eq(-100).any()  # padded on both sides
     difference, magnitude = _max_logit_difference(model, reference, batch)
     print(f"max |logits ours - Marian| = {difference:.2e} (max |logit| {magnitude:.1f}, {BATCH} padded sentences)")
@@ -152,7 +132,7 @@ def test_wrong_permutation_misses_the_tolerance(model, tokenizer, test_pairs, mo
     and in the greedy tokens."""
     monkeypatch.setattr(conversion_marian, "marian_permutation", WRONG_PERMUTATIONS[wrong])
     broken = to_marian(model).eval()
-    batch = _batch(tokenizer, *(side[:BATCH] for side in test_pairs))
+    batch = multi30k_batch(tokenizer, *(side[:BATCH] for side in test_pairs))
     difference, _ = _max_logit_difference(model, broken, batch)
     print(f"{wrong}: max |logits ours - Marian| = {difference:.2e}")
     assert difference > 1000 * LOGIT_TOLERANCE
@@ -253,7 +233,7 @@ def test_training_step_gives_marians_loss_and_gradients(model, tokenizer, test_p
     monkeypatch.setattr(RealTokens, "enabled", path != "padded")
     ours = copy.deepcopy(model).train()
     marian = to_marian(ours).train()
-    batch = _batch(tokenizer, *(side[:32] for side in test_pairs))
+    batch = multi30k_batch(tokenizer, *(side[:32] for side in test_pairs))
     output = ours(**batch, skip_logits=None if path == "fused-loss" else False)
     expected = marian(**batch)
     if path == "fused-loss":

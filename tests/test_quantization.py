@@ -14,10 +14,10 @@ import warnings
 import pytest
 import sacrebleu
 import torch
-from helpers import padded_batch, tiny_model
+from helpers import multi30k_batch, multi30k_tokenizer, padded_batch, tiny_model, trained_multi30k_model
 from torch import nn
 
-from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, train_joint_bpe
+from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.data import multi30k_file, read_lines
 
 SENTENCES = 256  # of Multi30k test2016's source side
@@ -64,33 +64,13 @@ def test_quantize_dynamic_finds_every_linear_map_and_the_model_still_generates()
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_joint_bpe([multi30k_file("train", "de"), multi30k_file("train", "en")], vocab_size=2000)
-
-
-def _batch(tokenizer, german: list[str], english: list[str] | None = None) -> dict[str, torch.Tensor]:
-    batch = dict(tokenizer(german, text_target=english, return_tensors="pt", padding=True, truncation=True,
-                           max_length=64))
-    if english is not None:
-        batch["labels"] = batch["labels"].masked_fill(batch["labels"].eq(tokenizer.pad_token_id), -100)
-    return batch
+    return multi30k_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model(tokenizer) -> VaswaniForConditionalGeneration:
-    """fp32, eval mode: 300 Adam steps of 32 Multi30k De->En pairs (loss ~3.4, from ~7.6)."""
-    german, english = read_lines(multi30k_file("train", "de"))[:4000], read_lines(multi30k_file("train", "en"))[:4000]
-    torch.manual_seed(0)
-    model = VaswaniForConditionalGeneration(VaswaniConfig(
-        vocab_size=len(tokenizer), d_model=64, encoder_layers=2, decoder_layers=2, num_heads=4, d_ff=128,
-        dropout=0.0, max_position_embeddings=128)).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(300):
-        rows = torch.randint(0, len(german), (32,), generator=generator).tolist()
-        model(**_batch(tokenizer, [german[i] for i in rows], [english[i] for i in rows])).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.eval()
+    """300 Adam steps of 32 Multi30k De->En pairs (loss ~3.4, from ~7.6)."""
+    return trained_multi30k_model(tokenizer, steps=300)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +81,7 @@ def test_set() -> tuple[list[str], list[str]]:
 def _translate(model, tokenizer, sentences: list[str], **settings) -> list[str]:
     texts = []
     for start in range(0, len(sentences), BATCH):
-        ids = model.generate(**_batch(tokenizer, sentences[start:start + BATCH]), **DECODING, **settings)
+        ids = model.generate(**multi30k_batch(tokenizer, sentences[start:start + BATCH]), **DECODING, **settings)
         texts += [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
     return texts
 
