@@ -171,8 +171,9 @@ NO_PACKAGE_TEXTS = ["Zwei Hunde spielen im Schnee.", " <s> and 😀 stay text", 
         ("model and tokenizer", "PreTrainedTokenizerFast"),  # reads the tokenizer files only
         ("model and tokenizer", "AutoTokenizer, trust_remote_code=True"),  # as with the model itself
         pytest.param("model and tokenizer", "AutoTokenizer", marks=pytest.mark.xfail(
-            strict=True, reason="transformers 5's AutoTokenizer reads config.json (remote code: the model's config "
-                                "class) before tokenizer_config.json, so it asks, whatever the tokenizer files say")),
+            strict=True, reason="transformers 5's AutoTokenizer loads config.json, whose config class is remote code, "
+                                "before tokenizer_config.json, so it asks for trust_remote_code whatever the tokenizer "
+                                "files say; pass trust_remote_code=True or use PreTrainedTokenizerFast")),
     ],
 )
 def test_tokenizer_loads_without_the_package_with_no_prompt(tmp_path, tiny_tokenizer, files, how):

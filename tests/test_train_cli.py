@@ -91,7 +91,7 @@ def test_a_run_on_a_cpu_pins_no_memory(trained):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: pinning is wanted there")
+        pytest.skip("needs a machine without a CUDA GPU: with one, the loaders pin memory on purpose")
     assert not [w for w in trained_warnings if "pin_memory" in w], trained_warnings
 
 
@@ -268,7 +268,7 @@ def test_paper_trainer_pins_batches_only_for_an_accelerator(tmp_path, recwarn):
     # transformers' default where `use_cpu` is not given, as in vaswani-train on a machine without a GPU
     args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], dataloader_pin_memory=True)
     if args.device.type != "cpu":
-        pytest.skip("this machine has an accelerator: pinning is wanted there")
+        pytest.skip("needs a machine without an accelerator: with one, the loaders pin memory on purpose")
     from datasets import Dataset
 
     rows = Dataset.from_list([{"input_ids": [5, 6, 2], "attention_mask": [1, 1, 1], "labels": [7, 2]}] * 4)

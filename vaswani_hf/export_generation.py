@@ -250,7 +250,7 @@ def onnx_export_generation(model: nn.Module, folder: str | Path, max_length: int
 
 def onnx_generation_functions(encoder_path: str | Path, step_path: str | Path,
                               providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> tuple[Encode, Step]:
-    """`encode` and `step` functions of torch tensors over onnxruntime sessions of the two files of
+    """`encode` and `step` functions of torch tensors over onnxruntime inference graphs of the two files of
     `onnx_export_generation`, for `greedy_search` and `beam_search`.
 
     Raises:
@@ -258,18 +258,18 @@ def onnx_generation_functions(encoder_path: str | Path, step_path: str | Path,
     """
     import onnxruntime
 
-    sessions = [onnxruntime.InferenceSession(str(path), providers=list(providers))
-                for path in (encoder_path, step_path)]
+    encoder_graph, step_graph = (onnxruntime.InferenceSession(str(path), providers=list(providers))
+                                 for path in (encoder_path, step_path))
 
-    def run(session, names, tensors):
-        outputs = session.run(None, {name: t.detach().cpu().numpy() for name, t in zip(names, tensors, strict=True)})
+    def run(graph, names, tensors):
+        outputs = graph.run(None, {name: t.detach().cpu().numpy() for name, t in zip(names, tensors, strict=True)})
         return tuple(torch.from_numpy(output) for output in outputs)
 
     def encode(input_ids, attention_mask):
-        return run(sessions[0], ENCODER_INPUTS, (input_ids, attention_mask))[0]
+        return run(encoder_graph, ENCODER_INPUTS, (input_ids, attention_mask))[0]
 
     def step(decoder_input_ids, self_key_values, cross_key_values, attention_mask):
-        return run(sessions[1], STEP_INPUTS, (decoder_input_ids, self_key_values, cross_key_values, attention_mask))
+        return run(step_graph, STEP_INPUTS, (decoder_input_ids, self_key_values, cross_key_values, attention_mask))
 
     return encode, step
 
