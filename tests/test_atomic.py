@@ -112,7 +112,7 @@ WRITE_CALLS = {"write_text", "write_bytes", "savefig", "save_file", "dump", "wri
                "save_model", "save_state", "to_csv", "to_json", "copyfile", "copy2", "copytree"}
 # (file, enclosing function, call) -> why the write cannot leave a half-written output under its final name.
 CHECKED_WRITES = {
-    ("training/atomic.py", "_write_atomic", "fdopen"): "the atomic helper: temporary file, then os.replace",
+    ("training/atomic.py", "_write_atomic.write_text", "open"): "into checks.replace_file_atomically's temporary file",
     ("training/atomic.py", "write_json_atomic.write", "dump"): "the atomic helper",
     ("training/atomic.py", "write_lines_atomic", "writelines"): "the atomic helper",
     ("training/prepare.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then os.replace",
@@ -123,11 +123,12 @@ CHECKED_WRITES = {
     ("training/train_no_trainer.py", "_run.save_model_hook", "save_pretrained"): "called by save_state into the tmp "
                                                                                 "checkpoint folder",
     ("vaswani_hf/averaging.py", "_atomic_copy", "copyfile"): "temporary file, then os.replace",
-    ("vaswani_hf/averaging.py", "_write_model_folder", "save_file"): "through _atomic_write, into a temporary folder "
+    ("vaswani_hf/averaging.py", "_write_model_folder", "save_file"): "through replace_file_atomically, into a "
+                                                                      "temporary folder "
                                                                       "renamed when complete (or the run's folder)",
-    ("vaswani_hf/averaging.py", "_write_model_folder", "write_text"): "through _atomic_write, as above",
+    ("vaswani_hf/averaging.py", "_write_model_folder", "write_text"): "through replace_file_atomically, as above",
     ("vaswani_hf/export_ct2.py", "export_ct2", "save"): "into a staging folder, then os.replace",
-    ("vaswani_hf/visualization.py", "save_figure", "savefig"): "temporary file, then os.replace",
+    ("vaswani_hf/visualization.py", "save_figure", "savefig"): "through replace_file_atomically",
     # The final model folder of a training run is written by transformers (save_model / save_pretrained), file by
     # file. A kill during that save can leave a truncated model.safetensors: from_pretrained and the commands then
     # refuse it with a clear error (tests/test_loading.py), and the checkpoint-<step> folders still hold the run.

@@ -201,14 +201,14 @@ KILLED_AVERAGE = textwrap.dedent(
     import vaswani_hf.averaging as averaging
     from vaswani_training.average_checkpoints import main
 
-    write = averaging._atomic_write
+    write = averaging.replace_file_atomically
 
     def write_then_die(destination, function):
         if destination.name == "averaged_from.json":  # the new weights are written: killed before the record
             os.kill(os.getpid(), signal.SIGKILL)
         write(destination, function)
 
-    averaging._atomic_write = write_then_die
+    averaging.replace_file_atomically = write_then_die
     main(["--checkpoint_dir", sys.argv[2], "--last", "3", "--output_dir", sys.argv[3]])
     """
 )

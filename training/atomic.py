@@ -7,27 +7,19 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, TextIO
 
-from vaswani_hf.checks import follow_umask
+from vaswani_hf.checks import replace_file_atomically
 
 
 def _write_atomic(path: str | os.PathLike, write: Callable[[TextIO], None]) -> None:
     """`write(handle)` into a hidden temporary file beside `path` (".<name>.*.tmp"), then rename it to `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+    def write_text(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
             write(handle)
-        follow_umask(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    replace_file_atomically(path, write_text)
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:

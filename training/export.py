@@ -11,8 +11,9 @@ The folder holds what `AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_
 - `model.safetensors` (the embedding shared by encoder, decoder and output projection stored once, §3.4),
   `config.json` with the `auto_map` that points the Auto classes at the code below, `generation_config.json`
   (beam 4, length penalty 0.6, §6.1);
-- `configuration_vaswani.py`, `modeling_vaswani.py` and `kernels_vaswani.py`: the only code, importing nothing but
-  torch and transformers;
+- the five model code files (`configuration_vaswani.py`, `modeling_vaswani.py`, `loading_vaswani.py`,
+  `generation_vaswani.py`, `kernels_vaswani.py`): the only code, importing nothing but torch, transformers, safetensors
+  and each other;
 - `tokenizer.json` and `tokenizer_config.json`: the joint BPE as a plain fast tokenizer (no tokenizer code);
 - `README.md`: the model card, rendered (Jinja2, `huggingface_hub.ModelCard.from_template`) from `model_card.md` at
   the repository root (installed with the commands as package data of vaswani_training): Hub metadata (languages,
@@ -308,7 +309,7 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
 
     import vaswani_hf  # noqa: F401  (registers the Auto classes; saved folders get auto_map and the code files)
     from vaswani_hf import VaswaniForConditionalGeneration
-    from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs, follow_umask
+    from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs, swap_in_folder
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     if not (model_dir / "config.json").is_file():
@@ -332,14 +333,7 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(readme, encoding="utf-8")
         check_hub_folder(tmp)
-        follow_umask(tmp)  # mkdtemp makes it 0700, safetensors its weights 0600
-        if output_dir.exists():
-            old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
-            os.replace(output_dir, old)
-            os.replace(tmp, output_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, output_dir)
+        swap_in_folder(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

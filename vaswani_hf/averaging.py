@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import CheckError, follow_umask, read_json, safetensors_problem
+from .checks import CheckError, read_json, replace_file_atomically, safetensors_problem, swap_in_folder
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -171,19 +171,7 @@ def average_checkpoints(paths: Sequence[str | os.PathLike]) -> dict[str, torch.T
 
 
 def _atomic_copy(source: Path, destination: Path) -> None:
-    _atomic_write(destination, lambda tmp: shutil.copyfile(source, tmp))
-
-
-def _atomic_write(destination: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        follow_umask(tmp)
-        os.replace(tmp, destination)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    replace_file_atomically(destination, lambda tmp: shutil.copyfile(source, tmp))
 
 
 def _model_files(template: Path) -> list[Path]:
@@ -231,9 +219,9 @@ def _write_model_folder(folder: Path, tensors: dict[str, torch.Tensor], template
 
     for path in _model_files(template):
         _atomic_copy(path, folder / path.name)
-    _atomic_write(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    replace_file_atomically(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     text = json.dumps(provenance, indent=2) + "\n"
-    _atomic_write(folder / "averaged_from.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    replace_file_atomically(folder / "averaged_from.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def save_averaged_model(state_dict: dict[str, torch.Tensor], template: str | os.PathLike,
@@ -276,14 +264,7 @@ def save_averaged_model(state_dict: dict[str, torch.Tensor], template: str | os.
     tmp = Path(tempfile.mkdtemp(dir=save_to.parent, prefix=f".{save_to.name}.tmp-"))
     try:
         _write_model_folder(tmp, tensors, template, provenance)
-        follow_umask(tmp)
-        if save_to.exists():
-            old = Path(tempfile.mkdtemp(dir=save_to.parent, prefix=f".{save_to.name}.old-"))
-            os.replace(save_to, old / save_to.name)
-            os.replace(tmp, save_to)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, save_to)
+        swap_in_folder(tmp, save_to)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

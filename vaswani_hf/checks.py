@@ -16,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,41 @@ def follow_umask(path: str | os.PathLike, *, recursive: bool = True) -> None:
                 os.chmod(child, 0o666 & ~mask)
     elif path.exists():
         os.chmod(path, 0o666 & ~mask)
+
+
+def replace_file_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """`write(tmp)` into a hidden temporary file beside `path` (".<name>.*.tmp"), give it the mode `open()` would
+    under the user's umask, then rename it to `path`: a failure or a kill in the middle leaves the old file as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        follow_umask(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def swap_in_folder(staging: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Put the complete folder `staging` (made beside `target`, e.g. by `tempfile.mkdtemp`) in place of `target`,
+    with the modes of the user's umask. An existing `target` is moved aside first and removed only once `staging` is in
+    place, so a kill at any moment leaves one whole folder (the old one, aside, in the worst case).
+    """
+    staging, target = Path(staging), Path(target)
+    follow_umask(staging)  # mkdtemp makes it 0700, safetensors its weights 0600
+    if target.exists():
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
+        os.replace(target, old / target.name)
+        os.replace(staging, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, target)
+    return target
 
 
 def read_json(path: str | os.PathLike, *, what: str = "") -> Any:

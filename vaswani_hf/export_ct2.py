@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import follow_umask
+from .checks import swap_in_folder
 from .modeling_vaswani import sinusoidal_table
 
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
@@ -268,14 +268,7 @@ def export_ct2(
     staging = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.", suffix=".tmp"))
     try:
         spec.save(str(staging))
-        follow_umask(staging)  # mkdtemp made it 0700
-        if output_dir.exists():
-            old = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.", suffix=".old"))
-            os.replace(output_dir, old / "previous")
-            os.replace(staging, output_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, output_dir)
+        swap_in_folder(staging, output_dir)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

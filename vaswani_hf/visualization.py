@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checks import follow_umask
+from .checks import replace_file_atomically
 
 ATTENTION_KINDS = ("encoder", "decoder", "cross")
 _TITLES = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",
@@ -166,16 +165,7 @@ def save_figure(figure, path: str | os.PathLike, dpi: int = 100) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(figure)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        figure.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight")
-        follow_umask(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return replace_file_atomically(path, lambda tmp: figure.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight"))
 
 
 def plot_attention(maps: AttentionMaps, kind: str, path: str | os.PathLike, heads_per_row: int = 4,
