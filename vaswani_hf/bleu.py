@@ -14,12 +14,16 @@ Two numbers, both on a 0–100 scale:
   `multi-bleu.perl` computes (whitespace tokens, no smoothing, closest-reference brevity penalty).
   `tokenized_method="13a"` is a dependency-free approximation (HTML-unescaped references, sacreBLEU 13a,
   lowercase=True); its number is not the published one and is labelled as such.
+* `paper_bleu` — the paper's Table 2 form (`paper_bleu()`): cased tokenized BLEU as tensor2tensor's
+  `get_ende_bleu.sh` computes it, with German compounds split as `##AT##-##AT##` (En-De) and plain for other
+  targets (En-Fr). The number to set beside Table 2, with its own signature.
 """
 
 from __future__ import annotations
 
 import html
 import os
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -29,7 +33,8 @@ import sacrebleu
 
 from .metrics import SACREBLEU_LOCAL_PATH
 
-__all__ = ["load_bleu_metric", "compute_bleu", "moses_lc_tokenize", "SACREBLEU_LOCAL_PATH"]
+__all__ = ["load_bleu_metric", "compute_bleu", "moses_lc_tokenize", "paper_bleu", "paper_tokenize",
+           "SACREBLEU_LOCAL_PATH"]
 
 RefsArg = Union[Sequence[str], Sequence[Sequence[str]], str, "os.PathLike[str]"]
 
@@ -102,8 +107,8 @@ def _moses(lang: str):
         from sacremoses import MosesPunctNormalizer, MosesTokenizer
     except ImportError:
         raise ImportError(
-            "tokenized BLEU with tokenized_method='moses' needs sacremoses: `pip install sacremoses` "
-            "(or pass tokenized_method='13a' for an approximation that is not the published number)."
+            "Moses-tokenized BLEU (tok_bleu with tokenized_method='moses', paper_bleu) needs sacremoses: "
+            "`pip install sacremoses` (or pass tokenized_method='13a' and with_paper_bleu=False to compute_bleu)."
         ) from None
     return MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
 
@@ -117,6 +122,94 @@ def moses_lc_tokenize(sentences: Sequence[str], lang: str) -> list[str]:
     return [tok.tokenize(norm.normalize(s.lower()), return_str=True, escape=True) for s in sentences]
 
 
+# get_ende_bleu.sh's `perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'`: non-overlapping, so "a-b-c" keeps "b-c".
+_COMPOUND_HYPHEN = re.compile(r"(\S)-(\S)")
+_COMPOUND_SPLIT_LANGS = frozenset({"de"})
+
+
+def _check_lang(target_lang) -> str:
+    """-> the primary subtag, lowercased ("de-AT" -> "de"): what Moses's rules and the compound splitting key on."""
+    if not isinstance(target_lang, str) or not re.fullmatch(r"[A-Za-z]+(?:[-_][A-Za-z0-9]+)*", target_lang):
+        raise ValueError(f"target_lang must be a language code such as 'de', 'fr' or 'de-AT' (Moses's tokenizer "
+                         f"rules and whether compounds are split depend on it), got {target_lang!r}.")
+    return re.split(r"[-_]", target_lang)[0].lower()
+
+
+def paper_tokenize(sentences: Sequence[str], lang: str, *, compound_splitting: bool | None = None) -> list[str]:
+    """Detokenized sentences as `get_ende_bleu.sh` hands them to `multi-bleu.perl`: Moses `tokenizer.perl -l
+    lang` (sacremoses: cased, HTML escaping on, no aggressive hyphen splitting), then, when `compound_splitting`
+    (default: `lang == "de"`), every hyphen between two non-spaces becomes ` ##AT##-##AT## `.
+
+    Returns one space-separated token string per sentence. Raises ValueError for a `lang` that is not a language
+    code; ImportError without sacremoses.
+    """
+    lang = _check_lang(lang)
+    split = lang in _COMPOUND_SPLIT_LANGS if compound_splitting is None else compound_splitting
+    tok = _moses(lang)[1]
+    out = [tok.tokenize(s, return_str=True, escape=True) for s in sentences]
+    return [_COMPOUND_HYPHEN.sub(r"\1 ##AT##-##AT## \2", s) for s in out] if split else out
+
+
+def paper_bleu(
+    hypotheses: Sequence[str],
+    references: RefsArg,
+    *,
+    target_lang: str,
+    compound_splitting: bool | None = None,
+) -> dict[str, Any]:
+    r"""BLEU as the paper reports it in Table 2 (§6.1): cased, Moses-tokenized, German compounds split.
+
+    tensor2tensor's `tensor2tensor/utils/get_ende_bleu.sh`, the script behind the paper's En-De figures (and the
+    recipe Łukasz Kaiser gave in tensor2tensor issue #61, June 2017), runs `tokenizer.perl -l de` on the
+    detokenized decodes; the reference `newstest2014.tok.de` went through the same `tokenizer.perl -q -l de`
+    (google/seq2seq `bin/data/wmt16_en_de.sh`). Both sides are then put "in ATAT format (comparable to papers like
+    GNMT, ConvS2S)" with `perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'` and scored by
+    `multi-bleu.perl ref < hyp`: whitespace tokens, case-sensitive, no smoothing, closest-reference brevity penalty.
+    Here the same steps run on both sides: `paper_tokenize` (sacremoses' Python port of a recent `tokenizer.perl`),
+    then sacreBLEU with `tokenize="none"`, `smooth_method="none"`, which computes what `multi-bleu.perl` computes.
+    The paper's En-Fr figure is the plain form: the same without compound splitting, the default for every target
+    but German.
+
+    Not reproduced: later versions of the script also pass the decodes (not the reference) through
+    `replace-unicode-punctuation.perl`, and the reference tensor2tensor published for its En-De checkpoints had its
+    German quotes („ “) replaced by `"` (tensor2tensor issue #317), so that they tokenize to `&quot;` on both sides.
+    Here both sides keep their own quotes.
+
+    Args:
+        hypotheses: system outputs, one detokenized string per segment.
+        references: raw (cased, untokenized) references, as `compute_bleu` takes them: a list of strings, a list of
+            lists of strings, or a file path.
+        target_lang: language of the hypotheses (`"de"`, `"fr"`, ...), for Moses's rules.
+        compound_splitting: split hyphenated compounds; default `target_lang == "de"` (the paper's En-De form).
+
+    Returns:
+        dict with `bleu` (float 0–100), `signature` (str, e.g. `moses-tok(de)+compound-split(##AT##)|multi-bleu|
+        nrefs:1|case:mixed|eff:no|tok:none|smooth:none|version:2.6.0`), `counts` and `totals` (matched and
+        hypothesis n-grams, n = 1..4, over the tokens above), `precisions` (percent), `bp`, `sys_len`, `ref_len`.
+
+    Raises:
+        ValueError: as `compute_bleu` for the hypotheses and references; a `target_lang` that is not a language
+            code.
+        ImportError: without sacremoses.
+    """
+    lang = _check_lang(target_lang)
+    hyps = _check_hyps(hypotheses)
+    streams = _read_refs(references, "references")
+    _check_lengths(hyps, streams, "references")
+    return _paper_score(hyps, streams, lang, compound_splitting)
+
+
+def _paper_score(hyps: list[str], streams: list[list[str]], lang: str, compound_splitting: bool | None):
+    split = lang in _COMPOUND_SPLIT_LANGS if compound_splitting is None else bool(compound_splitting)
+    tok_hyps = paper_tokenize(hyps, lang, compound_splitting=split)
+    tok_streams = [paper_tokenize(stream, lang, compound_splitting=split) for stream in streams]
+    metric = sacrebleu.BLEU(tokenize="none", smooth_method="none", force=True)
+    res = metric.corpus_score(tok_hyps, tok_streams)
+    steps = f"moses-tok({lang})" + ("+compound-split(##AT##)" if split else "")
+    return dict(bleu=res.score, signature=f"{steps}|multi-bleu|{metric.get_signature()}", counts=res.counts,
+                totals=res.totals, precisions=res.precisions, bp=res.bp, sys_len=res.sys_len, ref_len=res.ref_len)
+
+
 def compute_bleu(
     hypotheses: Sequence[str],
     references: RefsArg | None = None,
@@ -124,6 +217,7 @@ def compute_bleu(
     *,
     target_lang: str = "en",
     tokenized_method: str = "moses",
+    with_paper_bleu: bool = True,
 ) -> dict[str, Any]:
     """Corpus BLEU of detokenized `hypotheses`.
 
@@ -135,17 +229,20 @@ def compute_bleu(
             `vaswani_hf.data.multi30k_file("test", "en", tokenized_lowercased=True)`); gives `tok_bleu`.
         target_lang: language of the hypotheses, for Moses tokenization (`"en"` for De→En).
         tokenized_method: `"moses"` (default, the published Multi30k number; needs sacremoses) or `"13a"`.
+        with_paper_bleu: with `references`, also the paper's Table 2 form (`paper_bleu`: cased, Moses-tokenized,
+            compounds split when `target_lang` is `"de"`; needs sacremoses).
 
     Returns:
         dict with (when `references` given) `bleu` (float 0–100), `signature` (str), `counts`,
-        `totals`, `precisions`, `bp`, `sys_len`, `ref_len`; and (when
+        `totals`, `precisions`, `bp`, `sys_len`, `ref_len`, and with `with_paper_bleu` `paper_bleu` (float
+        0–100) and `paper_signature` (str); and (when
         `lowercase_tokenized_references` given) `tok_bleu` (float 0–100) and `tok_signature` (str
         naming the preprocessing, e.g. `lc+moses-norm+moses-tok(en)|multi-bleu|nrefs:1|...`).
 
     Raises:
         ValueError: neither reference kind given, count mismatch between hypotheses and references, a
-            non-string hypothesis, unknown `tokenized_method`.
-        ImportError: `tokenized_method="moses"` without sacremoses installed.
+            non-string hypothesis, unknown `tokenized_method`, a `target_lang` that is not a language code.
+        ImportError: `tokenized_method="moses"` or `with_paper_bleu` without sacremoses installed.
     """
     if references is None and lowercase_tokenized_references is None:
         raise ValueError("give `references` (raw, for sacreBLEU) and/or `lowercase_tokenized_references`.")
@@ -162,6 +259,9 @@ def compute_bleu(
             bleu=res.score, signature=str(metric.get_signature()), counts=res.counts, totals=res.totals,
             precisions=res.precisions, bp=res.bp, sys_len=res.sys_len, ref_len=res.ref_len,
         )
+        if with_paper_bleu:
+            paper = _paper_score(hyps, streams, _check_lang(target_lang), None)
+            out.update(paper_bleu=paper["bleu"], paper_signature=paper["signature"])
     if lowercase_tokenized_references is not None:
         streams = _read_refs(lowercase_tokenized_references, "lowercase_tokenized_references")
         _check_lengths(hyps, streams, "lowercase_tokenized_references")
