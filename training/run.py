@@ -488,7 +488,7 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
            push: HubPush | None = None, stopped_by: str | None = None) -> dict[str, Any]:
     """The end of a training run, on the main process only, once the final (averaged) model and its tokenizer are in
     --output_dir: translate and score the test split if the data has one (`evaluate_test_set`: beam search, §6.1;
-    BLEU two ways), print --num_samples sample translations and the scores, write `test_translations.txt` and
+    BLEU three ways), print --num_samples sample translations and the scores, write `test_translations.txt` and
     `metrics.json` (atomically; with the whole command's minutes, the run's history of `run_history` and
     `weights_sha256`, the fingerprint of the weights scored), and with `push` upload the Hub-ready export.
 
@@ -521,6 +521,9 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     write_json_atomic(output_dir / "metrics.json", metrics)
     print(f"Test BLEU (sacreBLEU, detokenized): {metrics.get('test_bleu')}   "
           f"{metrics.get('test_bleu_signature', '')}")
+    if "test_paper_bleu" in metrics:
+        print(f"Test BLEU (the paper's Table 2 form: cased, Moses-tokenized, get_ende_bleu.sh): "
+              f"{metrics['test_paper_bleu']}   {metrics['test_paper_bleu_signature']}")
     if "test_tok_bleu" in metrics:
         print(f"Test BLEU (lowercased, tokenized, as Multi30k papers report): {metrics['test_tok_bleu']}")
     budget = run.plan.budget_minutes
