@@ -1,4 +1,5 @@
-"""Score a trained model on a test set: detokenized sacreBLEU and, on Multi30k, lowercased tokenized BLEU.
+"""Score a trained model on a test set: detokenized sacreBLEU, the paper's tokenized BLEU (Table 2's form) and, on
+Multi30k, lowercased tokenized BLEU.
 
     vaswani-evaluate --model outputs/multi30k-de-en                  # Multi30k test2016, beam 4, lp 0.6
     vaswani-evaluate --model DIR --test_file data/test --source_lang de --target_lang en --output scores.json
@@ -29,15 +30,17 @@ from .arguments import DataArguments
 def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, *, batch_size: int = 64,
                       num_beams: int = 4, length_penalty: float = 0.6, is_multi30k: bool = True,
                       length_penalty_style: str = "hf") -> dict[str, Any]:
-    """Translate the test split (beam 4, length penalty 0.6 by default) and score it with detokenized sacreBLEU and,
-    on the shipped Multi30k, lowercased tokenized BLEU against the official `tok/` references.
+    """Translate the test split (beam 4, length penalty 0.6 by default) and score it with detokenized sacreBLEU, the
+    paper's cased tokenized BLEU (`vaswani_hf.bleu.paper_bleu`: Moses-tokenized, German compounds split, §6.1 Table
+    2) and, on the shipped Multi30k, lowercased tokenized BLEU against the official `tok/` references.
 
     `length_penalty_style`: "hf" (`model.generate`: score / |Y|^alpha) or "gnmt" (the paper's
     ((5 + |Y|) / 6)^alpha and at most input length + 50 tokens, `vaswani_hf.decoding.paper_generate`).
 
     Returns:
         `{"metrics": {...}, "hypotheses": [...], "sources": [...], "references": [...]}`; the metrics are
-        `test_bleu`, `test_bleu_signature`, on Multi30k `test_tok_bleu` and `test_tok_bleu_signature`,
+        `test_bleu`, `test_bleu_signature`, `test_paper_bleu`, `test_paper_bleu_signature`, on Multi30k
+        `test_tok_bleu` and `test_tok_bleu_signature`,
         `test_sentences`, `test_seconds`, `test_sentences_per_second` and the decoding settings.
 
     Raises:
@@ -69,6 +72,8 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
     metrics = {
         "test_bleu": round(scores["bleu"], 2),
         "test_bleu_signature": scores["signature"],
+        "test_paper_bleu": round(scores["paper_bleu"], 2),
+        "test_paper_bleu_signature": scores["paper_signature"],
         "test_sentences": len(sources),
         "test_seconds": round(seconds, 1),
         "test_sentences_per_second": round(len(sources) / seconds, 2),
