@@ -311,15 +311,24 @@ def test_sampler_distributed_split_covers_all(m30k_lengths, replicas):
     per_rank = [list(s) for s in samplers]
     assert len({len(p) for p in per_rank}) == 1 and len(per_rank[0]) == len(samplers[0])
     counts = Counter(i for p in per_rank for b in p for i in b)
-    assert set(counts) == set(range(29000))  # nothing dropped
-    n_global = len(samplers[0].global_batches(2))
-    n_pad = replicas * len(samplers[0]) - n_global
-    assert 0 <= n_pad < replicas
-    extra = sum(counts.values()) - 29000
-    pad_sizes = sum(len(b) for b in samplers[0].global_batches(2)[:n_pad])
-    assert extra == pad_sizes  # duplicates only from the padding batches
-    # ranks get disjoint batches apart from padding
-    assert all(c <= 2 for c in counts.values())
+    assert set(counts) == set(range(29000)) and set(counts.values()) == {1}  # each example once, on one rank
+    assert replicas * len(samplers[0]) == len(samplers[0].global_batches(2))  # batches split, none repeated
+    single = TokenBudgetBatchSampler(src, tgt, 4096, seed=1)
+    assert len(samplers[0].global_batches(2)) - len(single.global_batches(2)) < replicas  # fewer than R splits
+
+
+def test_sampler_splits_the_largest_batches_for_equal_counts():
+    # budget 8, all lengths 2: batches of 4, 4, 2 -> 3 batches; 2 ranks need 4: the first batch of 4 is halved
+    s = TokenBudgetBatchSampler([2] * 10, None, max_tokens=8, shuffle=False, num_replicas=2, rank=0)
+    assert s.global_batches() == [[0, 1], [2, 3], [4, 5, 6, 7], [8, 9]]
+    assert list(s) == [[0, 1], [4, 5, 6, 7]] and len(s) == 2
+    # for accelerate's own sharding: one process' sampler, batch count a multiple of the processes
+    assert len(TokenBudgetBatchSampler([2] * 10, None, max_tokens=8, num_batches_multiple=4)) == 4
+    # one example cannot be split: the batches of 1 are repeated for the other ranks, as before
+    one = [list(TokenBudgetBatchSampler([3], None, max_tokens=8, num_replicas=3, rank=r)) for r in range(3)]
+    assert one == [[[0]], [[0]], [[0]]]
+    with pytest.raises(DataError, match="num_batches_multiple"):
+        TokenBudgetBatchSampler([1], num_batches_multiple=0)
 
 
 def test_sampler_oversize_error_and_skip():

@@ -36,11 +36,16 @@ class DataArguments:
     max_tokens: int | None = field(default=None, metadata={
         "help": "Token budget per batch per device, padded tokens counted (fairseq --max-tokens). Default: the "
                 "preset's."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={
+        "help": "Processes that clean and tokenize the data (datasets' num_proc; default: this one)."})
+    drop_long_pairs: bool = field(default=False, metadata={
+        "help": "Leave out training pairs longer than --max_source_length/--max_target_length tokens (counted and "
+                "reported), as fairseq and tensor2tensor filter, instead of truncating them."})
 
     def __post_init__(self):
         # Refused when the flags are parsed, not after an hour of training; 0 is not "all".
         for name in ("max_source_length", "max_target_length", "max_train_samples", "max_eval_samples",
-                     "max_test_samples", "max_tokens"):
+                     "max_test_samples", "max_tokens", "preprocessing_num_workers"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise CheckError(f"--{name} must be >= 1 (leave the flag out for the default), got {value}.")

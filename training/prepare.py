@@ -8,6 +8,7 @@ Each step is a thin layer over `vaswani_hf` (data, tokenizer, model).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -15,11 +16,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from vaswani_hf import VaswaniConfig, train_joint_bpe
 from vaswani_hf.checks import CheckError, read_json
 from vaswani_hf.data import (
     TokenBudgetBatchSampler,
     example_lengths,
+    iter_sentences,
     load_multi30k,
     load_parallel_dataset,
     parallel_files,
@@ -37,7 +41,8 @@ def load_raw_datasets(data_args: DataArguments):
     if data_args.dataset_name:
         return load_parallel_dataset(hub_dataset=data_args.dataset_name, hub_config=data_args.dataset_config_name,
                                      source_lang=data_args.source_lang, target_lang=data_args.target_lang,
-                                     empty_lines=data_args.empty_lines)
+                                     empty_lines=data_args.empty_lines,
+                                     num_proc=data_args.preprocessing_num_workers)
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
     if not any(files.values()):
         return load_multi30k(data_args.source_lang, data_args.target_lang, empty_lines=data_args.empty_lines)
@@ -76,8 +81,33 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, preset: d
     tokenizer = get_tokenizer(model_args, raw["train"], data_args, model_args.vocab_size or preset["vocab_size"])
     tokenized = tokenize_dataset(raw, tokenizer, data_args.source_lang, data_args.target_lang,
                                  max_length=data_args.max_source_length,
-                                 max_target_length=data_args.max_target_length, keep_translation=False)
+                                 max_target_length=data_args.max_target_length, keep_translation=False,
+                                 num_proc=data_args.preprocessing_num_workers)
+    if data_args.drop_long_pairs:
+        tokenized["train"] = drop_long_pairs(raw["train"], tokenizer, tokenized["train"], data_args)
     return raw, tokenizer, tokenized
+
+
+def drop_long_pairs(raw_train, tokenizer, tokenized_train, data_args: DataArguments):
+    """The training pairs whose source and target both fit --max_source_length / --max_target_length, found on the
+    untruncated lengths with numpy; the others are counted and left out.
+
+    Raises:
+        CheckError: no training pair fits.
+    """
+    full = tokenize_dataset(raw_train, tokenizer, data_args.source_lang, data_args.target_lang,
+                            num_proc=data_args.preprocessing_num_workers)
+    src_lengths, tgt_lengths = example_lengths(full)
+    keep = np.nonzero((src_lengths <= data_args.max_source_length) & (tgt_lengths <= data_args.max_target_length))[0]
+    if len(keep) == 0:
+        raise CheckError(f"No training pair fits --max_source_length {data_args.max_source_length} and "
+                         f"--max_target_length {data_args.max_target_length}; raise them.")
+    dropped = len(full) - len(keep)
+    if dropped:
+        logger.info("Left out %d of %d training pairs longer than %d/%d tokens (--drop_long_pairs)", dropped,
+                    len(full), data_args.max_source_length, data_args.max_target_length)
+        return tokenized_train.select(keep)
+    return tokenized_train
 
 
 def is_multi30k(data_args: DataArguments) -> bool:
@@ -149,12 +179,14 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
 
     if model_args.tokenizer_name or model_args.model_name_or_path:
         return AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
-    src = [t[data_args.source_lang] for t in train_dataset["translation"]]
-    tgt = [t[data_args.target_lang] for t in train_dataset["translation"]]
+    src_lang, tgt_lang = data_args.source_lang, data_args.target_lang
     digest = hashlib.sha256()
     digest.update(f"bpe-v1|{vocab_size}|".encode())
-    for line in src + tgt:
-        digest.update(line.encode("utf-8") + b"\n")
+    if train_dataset.cache_files:  # memory-mapped: its fingerprint names its content, nothing to read
+        digest.update(f"{src_lang}|{tgt_lang}|{train_dataset._fingerprint}".encode())
+    else:
+        for line in itertools.chain(iter_sentences(train_dataset, src_lang), iter_sentences(train_dataset, tgt_lang)):
+            digest.update(line.encode("utf-8") + b"\n")
     cache_root = Path(model_args.cache_dir or os.environ.get("VASWANI_CACHE",
                                                              Path.home() / ".cache" / "vaswani_hf"))
     cached = cache_root / "tokenizers" / digest.hexdigest()[:16]
@@ -169,8 +201,9 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
         else:
             logger.info("Reusing the joint BPE cached at %s", cached)
             return tokenizer
-    logger.info("Training a joint BPE of %d entries on %d sentence pairs", vocab_size, len(src))
-    tokenizer = train_joint_bpe([src, tgt], vocab_size=vocab_size)
+    logger.info("Training a joint BPE of %d entries on %d sentence pairs", vocab_size, len(train_dataset))
+    tokenizer = train_joint_bpe([iter_sentences(train_dataset, src_lang), iter_sentences(train_dataset, tgt_lang)],
+                                vocab_size=vocab_size)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent if cached.parent.exists() else None))
     tokenizer.save_pretrained(tmp)
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -181,9 +214,10 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
     return tokenizer
 
 
-def token_budget_sampler(dataset, max_tokens: int, *, shuffle: bool, seed: int, num_replicas: int = 1,
-                         rank: int = 0) -> TokenBudgetBatchSampler:
-    """Length-bucketed batches of at most `max_tokens` padded tokens (fairseq's --max-tokens)."""
+def token_budget_sampler(dataset, max_tokens: int, *, shuffle: bool, seed: int, num_processes: int = 1):
+    """Length-bucketed batches of at most `max_tokens` padded tokens (fairseq's --max-tokens), as many as a multiple
+    of `num_processes`, for accelerate to shard: every process then gets the same number of batches and no example
+    twice (`TokenBudgetBatchSampler(num_batches_multiple=...)`)."""
     src_lengths, tgt_lengths = example_lengths(dataset)
     return TokenBudgetBatchSampler(src_lengths, tgt_lengths, max_tokens=max_tokens, shuffle=shuffle, seed=seed,
-                                   num_replicas=num_replicas, rank=rank)
+                                   num_batches_multiple=num_processes)

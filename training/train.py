@@ -182,7 +182,8 @@ class PaperTrainer(Seq2SeqTrainer):
         return self.lr_scheduler
 
     def get_train_dataloader(self) -> DataLoader:
-        sampler = token_budget_sampler(self.train_dataset, self.max_tokens, shuffle=True, seed=self.args.seed)
+        sampler = token_budget_sampler(self.train_dataset, self.max_tokens, shuffle=True, seed=self.args.seed,
+                                       num_processes=self.accelerator.num_processes)
         # Pinned memory speeds up copies to an accelerator only; on a CPU torch warns that it is unused.
         pin_memory = self.args.dataloader_pin_memory and self.args.device.type != "cpu"
         loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.data_collator,

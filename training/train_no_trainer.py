@@ -264,7 +264,8 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
     raw, tokenizer, tokenized, model = prepare(job, main_process_first=accelerator.main_process_first())
     check_positions(model.config, job.data_args)
     collator = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
-    sampler = token_budget_sampler(tokenized["train"], plan.max_tokens, shuffle=True, seed=loop.seed)
+    sampler = token_budget_sampler(tokenized["train"], plan.max_tokens, shuffle=True, seed=loop.seed,
+                                    num_processes=accelerator.num_processes)
     # Its own generator, so that starting an epoch draws nothing from the global RNG (dropout): resuming is exact.
     loader = DataLoader(tokenized["train"], batch_sampler=sampler, collate_fn=collator,
                         num_workers=loop.dataloader_num_workers, generator=torch.Generator())

@@ -20,6 +20,8 @@ file, line or field and says how to fix it.
 from __future__ import annotations
 
 import gzip
+import hashlib
+import itertools
 import json
 import logging
 import math
@@ -54,6 +56,11 @@ __all__ = [
     "MULTI30K_SPLITS",
     "tokenize_dataset",
     "example_lengths",
+    "iter_sentences",
+    "iter_lines",
+    "iter_parallel_text",
+    "iter_parallel_jsonl",
+    "content_key",
     "TokenBudgetBatchSampler",
     "padding_fraction",
 ]
@@ -92,8 +99,58 @@ def split_lines(raw: bytes) -> list[bytes]:
     return chunks
 
 
+_CHUNK = 1 << 20
+
+
+def iter_lines(path: PathLike) -> Iterator[str]:
+    """Stream a UTF-8 text file (plain or `.gz`) one line at a time, in constant memory: the lines `read_lines`
+    returns, for files larger than memory.
+
+    Raises:
+        DataError: as `read_lines` (raised when the bad line or the end of an empty file is reached).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found (or not a regular file). Check the path/prefix and language code.")
+    lineno = 0
+    try:
+        with _open_binary(path) as f:
+            rest = b""
+            while True:
+                block = f.read(_CHUNK)
+                data = rest + block
+                if not block:
+                    chunks = split_lines(data)
+                    rest = b""
+                else:
+                    # a "\r" at the end of a block may be the first half of "\r\n": keep it for the next block
+                    cut = len(data) - 1 if data.endswith(b"\r") else len(data)
+                    chunks = _LINE_END.split(data[:cut])
+                    rest = chunks.pop() + data[cut:]
+                for chunk in chunks:
+                    lineno += 1
+                    try:
+                        text = chunk.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise DataError(
+                            f"{path}:{lineno}: not valid UTF-8 (byte {chunk[e.start:e.start + 1]!r} at byte "
+                            f"offset {e.start} of line {lineno}). Re-encode the file as UTF-8, e.g. "
+                            f"`iconv -f latin1 -t utf-8`."
+                        ) from None
+                    if lineno == 1 and text.startswith("\ufeff"):
+                        text = text[1:]
+                    yield text.strip()
+                if not block:
+                    break
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{path}: cannot read the file ({e}). If it is not gzip-compressed, drop the .gz "
+                        f"suffix.") from None
+    if lineno == 0:
+        raise DataError(f"{path}: file is empty (0 lines). Expected one sentence per line.")
+
+
 def read_lines(path: PathLike) -> list[str]:
-    """Read a UTF-8 text file (plain or `.gz`) as a list of lines, one sentence a line.
+    """Read a UTF-8 text file (plain or `.gz`) as a list of lines, one sentence a line (`iter_lines` streams them).
 
     Lines end at `\\n`, `\\r\\n` or a lone `\\r` (Python's universal newlines: files saved with old Mac
     line ends hold one sentence a line too), never at U+2028 or other Unicode separators inside a sentence, which
@@ -104,31 +161,7 @@ def read_lines(path: PathLike) -> list[str]:
         DataError: the file does not exist, is empty (no lines), is not valid gzip, or has non-UTF-8 bytes
             (the message gives the 1-based line number and byte offset within the line).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found (or not a regular file). Check the path/prefix and language code.")
-    try:
-        with _open_binary(path) as f:
-            raw = f.read()
-    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
-        raise DataError(f"{path}: cannot read the file ({e}). If it is not gzip-compressed, drop the .gz "
-                        f"suffix.") from None
-    chunks = split_lines(raw)
-    if not chunks:
-        raise DataError(f"{path}: file is empty (0 lines). Expected one sentence per line.")
-    lines = []
-    for lineno, chunk in enumerate(chunks, start=1):
-        try:
-            text = chunk.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{path}:{lineno}: not valid UTF-8 (byte {chunk[e.start:e.start + 1]!r} at byte offset {e.start} of "
-                f"line {lineno}). Re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`."
-            ) from None
-        lines.append(text.strip())
-    if lines and lines[0].startswith("\ufeff"):
-        lines[0] = lines[0][1:].strip()
-    return lines
+    return list(iter_lines(path))
 
 
 @dataclass
@@ -156,25 +189,26 @@ class ParallelText:
         return [{"translation": {self.source_lang: s, self.target_lang: t}} for s, t in zip(self.source, self.target)]
 
 
-def _apply_empty_policy(src, tgt, empty_lines, where_src, where_tgt, first_line=1):
-    """Return (src, tgt, skipped). where_* are callables line->str naming the location."""
+def _empty_policy(pairs, empty_lines, where_src, where_tgt, counts):
+    """Stream `(index, src, tgt)` -> `(src, tgt)` under the empty-line policy, counting skipped pairs in
+    `counts["skipped"]` and all pairs in `counts["pairs"]`; where_* are callables index -> str naming the location."""
     _check_empty_lines_policy(empty_lines)
-    if empty_lines == "keep":
-        return src, tgt, 0
-    keep_src, keep_tgt, skipped = [], [], 0
-    for i, (s, t) in enumerate(zip(src, tgt)):
-        if s and t:
-            keep_src.append(s)
-            keep_tgt.append(t)
+    for i, s, t in pairs:
+        counts["pairs"] += 1
+        if empty_lines == "keep" or (s and t):
+            yield s, t
             continue
         if empty_lines == "error":
-            side = where_src(i + first_line) if not s else where_tgt(i + first_line)
+            side = where_src(i) if not s else where_tgt(i)
             raise DataError(
                 f"{side}: empty sentence. Remove the pair from both files, or load with empty_lines='skip' "
                 f"to drop pairs with an empty side."
             )
-        skipped += 1
-    return keep_src, keep_tgt, skipped
+        counts["skipped"] += 1
+
+
+def _new_counts() -> dict[str, int]:
+    return {"pairs": 0, "skipped": 0}
 
 
 def _find_lang_files(prefix: Path) -> dict[str, Path]:
@@ -216,10 +250,43 @@ def _lang_file(prefix: Path, lang: str) -> Path:
     )
 
 
+def iter_parallel_text(
+    prefix: PathLike, source_lang: str, target_lang: str, *, empty_lines: str = "skip",
+    counts: dict[str, int] | None = None,
+) -> Iterator[tuple[str, str]]:
+    """Stream the aligned pairs of `{prefix}.{source_lang}[.gz]` and `{prefix}.{target_lang}[.gz]` in constant
+    memory (what `read_parallel_text` collects). `counts`, if given, receives `pairs` and `skipped`.
+
+    Raises:
+        DataError: as `read_parallel_text`; a line-count difference is found when the shorter file ends.
+    """
+    if source_lang == target_lang:
+        raise DataError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
+    prefix = Path(prefix)
+    src_path, tgt_path = _lang_file(prefix, source_lang), _lang_file(prefix, target_lang)
+    counts = _new_counts() if counts is None else counts
+
+    def aligned():
+        src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
+        n = 0
+        for n, (s, t) in enumerate(itertools.zip_longest(src_lines, tgt_lines), start=1):
+            if s is None or t is None:
+                n_src = n - 1 + sum(1 for _ in src_lines) + (s is not None)
+                n_tgt = n - 1 + sum(1 for _ in tgt_lines) + (t is not None)
+                raise DataError(
+                    f"line counts differ: {src_path} has {n_src} lines but {tgt_path} has {n_tgt} lines. "
+                    f"Parallel files must be aligned line by line (one sentence per line, same number of lines)."
+                )
+            yield n, s, t
+
+    yield from _empty_policy(aligned(), empty_lines, lambda n: f"{src_path}:{n}", lambda n: f"{tgt_path}:{n}", counts)
+
+
 def read_parallel_text(
     prefix: PathLike, source_lang: str, target_lang: str, *, empty_lines: str = "skip"
 ) -> ParallelText:
-    """Read aligned files `{prefix}.{source_lang}[.gz]` and `{prefix}.{target_lang}[.gz]`.
+    """Read aligned files `{prefix}.{source_lang}[.gz]` and `{prefix}.{target_lang}[.gz]` into memory
+    (`iter_parallel_text` streams them; `load_parallel_dataset` writes them to memory-mapped Arrow).
 
     Args:
         prefix: path without the language suffix, e.g. `vaswani_hf/corpora/multi30k/train`.
@@ -233,31 +300,74 @@ def read_parallel_text(
             (file:line), different line counts (names both files and both counts), empty line with
             `empty_lines="error"`, `source_lang == target_lang`.
     """
+    counts = _new_counts()
+    pairs = list(iter_parallel_text(prefix, source_lang, target_lang, empty_lines=empty_lines, counts=counts))
+    src_path, tgt_path = _lang_file(Path(prefix), source_lang), _lang_file(Path(prefix), target_lang)
+    return _collected(pairs, counts, source_lang, target_lang, f"{src_path} + {tgt_path}")
+
+
+def _collected(pairs, counts, source_lang, target_lang, origin) -> ParallelText:
+    skipped = counts["skipped"]
+    if skipped:
+        logger.warning("%s: skipped %d of %d pairs with an empty side", origin, skipped, counts["pairs"])
+    if not pairs:
+        raise DataError(f"{origin}: no non-empty sentence pairs left after skipping {skipped} empty ones.")
+    src, tgt = (list(side) for side in zip(*pairs))
+    return ParallelText(src, tgt, source_lang, target_lang, skipped, origin)
+
+
+def iter_parallel_jsonl(
+    path: PathLike, source_lang: str, target_lang: str, *, empty_lines: str = "skip",
+    counts: dict[str, int] | None = None,
+) -> Iterator[tuple[str, str]]:
+    """Stream the pairs of a JSON-lines file in constant memory (what `read_parallel_jsonl` collects). `counts`, if
+    given, receives `pairs` (records read) and `skipped`.
+
+    Raises:
+        DataError: as `read_parallel_jsonl`.
+    """
     if source_lang == target_lang:
         raise DataError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
-    prefix = Path(prefix)
-    src_path, tgt_path = _lang_file(prefix, source_lang), _lang_file(prefix, target_lang)
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):
-        raise DataError(
-            f"line counts differ: {src_path} has {len(src)} lines but {tgt_path} has {len(tgt)} lines. "
-            f"Parallel files must be aligned line by line (one sentence per line, same number of lines)."
-        )
-    src, tgt, skipped = _apply_empty_policy(
-        src, tgt, empty_lines, lambda n: f"{src_path}:{n}", lambda n: f"{tgt_path}:{n}"
-    )
-    origin = f"{src_path} + {tgt_path}"
-    if skipped:
-        logger.warning("%s: skipped %d of %d pairs with an empty side", origin, skipped, len(src) + skipped)
-    if not src:
-        raise DataError(f"{origin}: no non-empty sentence pairs left after skipping {skipped} empty ones.")
-    return ParallelText(src, tgt, source_lang, target_lang, skipped, origin)
+    path = Path(path)
+    counts = _new_counts() if counts is None else counts
+
+    def records():
+        for lineno, line in enumerate(iter_lines(path), start=1):
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}).") from None
+            tr = rec.get("translation") if isinstance(rec, dict) else None
+            if not isinstance(tr, dict):
+                raise DataError(
+                    f"{path}:{lineno}: expected an object with a 'translation' object, e.g. "
+                    f'{{"translation": {{"{source_lang}": "...", "{target_lang}": "..."}}}}; got {line[:80]!r}.'
+                )
+            for lang in (source_lang, target_lang):
+                if lang not in tr:
+                    raise DataError(
+                        f"{path}:{lineno}: language {lang!r} not in this record's 'translation'; codes present: "
+                        f"{', '.join(sorted(map(str, tr))) or '(none)'}. Pass source_lang/target_lang from these."
+                    )
+                if not isinstance(tr[lang], str):
+                    raise DataError(
+                        f"{path}:{lineno}: translation[{lang!r}] must be a string, got {type(tr[lang]).__name__}."
+                    )
+            yield lineno, tr[source_lang].strip(), tr[target_lang].strip()
+
+    yield from _empty_policy(records(), empty_lines, lambda n: f"{path}:{n} (translation[{source_lang!r}])",
+                             lambda n: f"{path}:{n} (translation[{target_lang!r}])", counts)
+    if counts["pairs"] == 0:
+        raise DataError(f"{path}: no JSON records (only blank lines).")
 
 
 def read_parallel_jsonl(
     path: PathLike, source_lang: str, target_lang: str, *, empty_lines: str = "skip"
 ) -> ParallelText:
-    """Read a JSON-lines file (plain or `.gz`), one `{"translation": {"de": ..., "en": ...}}` object a line.
+    """Read a JSON-lines file (plain or `.gz`), one `{"translation": {"de": ..., "en": ...}}` object a line, into
+    memory (`iter_parallel_jsonl` streams it).
 
     Blank lines are ignored. Extra languages and extra top-level fields are ignored.
     `empty_lines` applies to empty sentence strings, as in `read_parallel_text`.
@@ -266,50 +376,9 @@ def read_parallel_jsonl(
         DataError: missing/empty/non-UTF-8 file; invalid JSON, missing `translation` field, missing language
             (lists the codes that record has) or non-string sentence, each with file:line.
     """
-    if source_lang == target_lang:
-        raise DataError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
-    path = Path(path)
-    lines = read_lines(path)
-    src, tgt, linenos = [], [], []
-    for lineno, line in enumerate(lines, start=1):
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}).") from None
-        tr = rec.get("translation") if isinstance(rec, dict) else None
-        if not isinstance(tr, dict):
-            raise DataError(
-                f"{path}:{lineno}: expected an object with a 'translation' object, e.g. "
-                f'{{"translation": {{"{source_lang}": "...", "{target_lang}": "..."}}}}; got {line[:80]!r}.'
-            )
-        for lang in (source_lang, target_lang):
-            if lang not in tr:
-                raise DataError(
-                    f"{path}:{lineno}: language {lang!r} not in this record's 'translation'; codes present: "
-                    f"{', '.join(sorted(map(str, tr))) or '(none)'}. Pass source_lang/target_lang from these."
-                )
-            if not isinstance(tr[lang], str):
-                raise DataError(
-                    f"{path}:{lineno}: translation[{lang!r}] must be a string, got {type(tr[lang]).__name__}."
-                )
-        src.append(tr[source_lang].strip())
-        tgt.append(tr[target_lang].strip())
-        linenos.append(lineno)
-    if not src:
-        raise DataError(f"{path}: no JSON records (only blank lines).")
-    # map record index back to file line for messages
-    src, tgt, skipped = _apply_empty_policy(
-        src, tgt, empty_lines,
-        lambda i: f"{path}:{linenos[i - 1]} (translation[{source_lang!r}])",
-        lambda i: f"{path}:{linenos[i - 1]} (translation[{target_lang!r}])",
-    )
-    if skipped:
-        logger.warning("%s: skipped %d of %d pairs with an empty side", path, skipped, len(src) + skipped)
-    if not src:
-        raise DataError(f"{path}: no non-empty sentence pairs left after skipping {skipped} empty ones.")
-    return ParallelText(src, tgt, source_lang, target_lang, skipped, str(path))
+    counts = _new_counts()
+    pairs = list(iter_parallel_jsonl(path, source_lang, target_lang, empty_lines=empty_lines, counts=counts))
+    return _collected(pairs, counts, source_lang, target_lang, str(path))
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -317,15 +386,43 @@ def _is_jsonl(path: Path) -> bool:
     return name.endswith(".jsonl") or name.endswith(".json")
 
 
-def _to_dataset(pt: ParallelText):
+def _translation_features(source_lang: str, target_lang: str):
     import datasets
 
-    features = datasets.Features({"translation": datasets.Translation(languages=[pt.source_lang, pt.target_lang])})
-    ds = datasets.Dataset.from_dict(
-        {"translation": [{pt.source_lang: s, pt.target_lang: t} for s, t in zip(pt.source, pt.target)]},
-        features=features,
-    )
-    return ds
+    return datasets.Features({"translation": datasets.Translation(languages=[source_lang, target_lang])})
+
+
+_content_keys: dict[tuple[str, int, int], str] = {}
+
+
+def content_key(paths: Sequence[PathLike]) -> str:
+    """SHA-256 of the files' bytes (in order): the cache key of the Arrow copy, so an edited file is read again and an
+    unchanged one, even touched or copied, is not. Remembered per (path, size, mtime) within a process."""
+    digest = hashlib.sha256()
+    for path in paths:
+        path = Path(path)
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key not in _content_keys:
+            file_digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    file_digest.update(block)
+            _content_keys[key] = file_digest.hexdigest()
+        digest.update(_content_keys[key].encode())
+    return digest.hexdigest()
+
+
+def _generate_records(source: str, source_lang: str, target_lang: str, empty_lines: str, content: str):
+    """Records of one local source, streamed (the generator `datasets.Dataset.from_generator` writes to Arrow);
+    `content` is unused here but keys the cache."""
+    path = Path(source)
+    counts = _new_counts()
+    read = iter_parallel_jsonl if _is_jsonl(path) else iter_parallel_text
+    for s, t in read(path, source_lang, target_lang, empty_lines=empty_lines, counts=counts):
+        yield {"translation": {source_lang: s, target_lang: t}}
+    if counts["skipped"]:
+        logger.warning("%s: skipped %d of %d pairs with an empty side", source, counts["skipped"], counts["pairs"])
 
 
 def parallel_files(source: PathLike, source_lang: str, target_lang: str) -> list[Path]:
@@ -342,12 +439,34 @@ def parallel_files(source: PathLike, source_lang: str, target_lang: str) -> list
 
 
 def _load_split(source: PathLike, source_lang: str, target_lang: str, empty_lines: str):
-    p = Path(source)
-    if _is_jsonl(p):
-        pt = read_parallel_jsonl(p, source_lang, target_lang, empty_lines=empty_lines)
-    else:
-        pt = read_parallel_text(p, source_lang, target_lang, empty_lines=empty_lines)
-    return _to_dataset(pt)
+    """One local source -> a memory-mapped Arrow `Dataset`, written once per file content and reused after (the
+    `datasets` cache), streaming the files so the corpus is never held in Python objects."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    if source_lang == target_lang:
+        raise DataError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
+    path = Path(source)
+    files = [path] if _is_jsonl(path) else [_lang_file(path, source_lang), _lang_file(path, target_lang)]
+    for file in files:
+        if not file.is_file():
+            raise DataError(f"{file}: file not found (or not a regular file). Check the path/prefix and language "
+                            f"code.")
+    kwargs = {"source": str(path.resolve()), "source_lang": source_lang, "target_lang": target_lang,
+              "empty_lines": empty_lines, "content": content_key(files)}
+    try:
+        dataset = datasets.Dataset.from_generator(_generate_records, features=_translation_features(
+            source_lang, target_lang), gen_kwargs=kwargs)
+    except DatasetGenerationError as error:  # the reader's own message, not datasets' wrapper
+        cause = error.__cause__
+        while cause is not None and not isinstance(cause, CheckError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None
+    if len(dataset) == 0:
+        raise DataError(f"{source}: no non-empty sentence pairs left after skipping the empty ones.")
+    return dataset
 
 
 def _check_languages(ds, source_lang: str, target_lang: str, where: str = "") -> None:
@@ -359,7 +478,9 @@ def _check_languages(ds, source_lang: str, target_lang: str, where: str = "") ->
                             f"{', '.join(present)}.")
 
 
-def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hub_kwargs):
+def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hub_kwargs, num_proc=None):
+    """A Hub dataset (or a local folder in the Hub's layout) -> `DatasetDict` of stripped pairs, cleaned batch by batch
+    on its memory-mapped Arrow files (in `num_proc` processes), the result cached by `datasets`."""
     import datasets
 
     dsd = datasets.load_dataset(hub_dataset, hub_config, **(hub_kwargs or {}))
@@ -376,19 +497,26 @@ def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hu
         if len(ds) == 0:
             raise DataError(f"Hub dataset {hub_dataset!r} split {split!r} is empty.")
         _check_languages(ds, source_lang, target_lang, f"Hub dataset {hub_dataset!r} split {split!r}: ")
-        src = [t[source_lang] or "" for t in ds["translation"]]
-        tgt = [t[target_lang] or "" for t in ds["translation"]]
-        src = [s.strip() for s in src]
-        tgt = [t.strip() for t in tgt]
-        src, tgt, skipped = _apply_empty_policy(
-            src, tgt, empty_lines,
-            lambda i: f"Hub dataset {hub_dataset!r} split {split!r} row {i - 1} ({source_lang})",
-            lambda i: f"Hub dataset {hub_dataset!r} split {split!r} row {i - 1} ({target_lang})",
-        )
+        where = f"Hub dataset {hub_dataset!r} split {split!r} row"
+        cleaned = ds.map(_clean_batch, batched=True, with_indices=True, num_proc=num_proc,
+                         remove_columns=ds.column_names, features=_translation_features(source_lang, target_lang),
+                         fn_kwargs={"source_lang": source_lang, "target_lang": target_lang,
+                                    "empty_lines": empty_lines, "where": where}, desc=f"Reading {split}")
+        skipped = len(ds) - len(cleaned)
         if skipped:
             logger.warning("Hub %s/%s: skipped %d pairs with an empty side", hub_dataset, split, skipped)
-        out[split] = _to_dataset(ParallelText(src, tgt, source_lang, target_lang, skipped, hub_dataset))
+        if len(cleaned) == 0:
+            raise DataError(f"{where}s: no non-empty sentence pairs left after skipping {skipped} empty ones.")
+        out[split] = cleaned
     return datasets.DatasetDict(out)
+
+
+def _clean_batch(batch, indices, *, source_lang, target_lang, empty_lines, where):
+    rows = ((i, (t[source_lang] or "").strip(), (t[target_lang] or "").strip())
+            for i, t in zip(indices, batch["translation"]))
+    pairs = _empty_policy(rows, empty_lines, lambda i: f"{where} {i} ({source_lang})",
+                          lambda i: f"{where} {i} ({target_lang})", _new_counts())
+    return {"translation": [{source_lang: s, target_lang: t} for s, t in pairs]}
 
 
 def load_parallel_dataset(
@@ -400,8 +528,9 @@ def load_parallel_dataset(
     hub_dataset: str | None = None,
     hub_config: str | None = None,
     hub_kwargs: Mapping[str, Any] | None = None,
+    num_proc: int | None = None,
 ):
-    """Load sentence pairs as `datasets` objects with records `{"translation": {src: ..., tgt: ...}}`.
+    """Load sentence pairs as memory-mapped `datasets` objects with records `{"translation": {src: ..., tgt: ...}}`.
 
     Args:
         sources: either one source (returns a `datasets.Dataset`) or a mapping `split -> source` (returns a
@@ -414,7 +543,12 @@ def load_parallel_dataset(
             file:line) or `"keep"`.
         hub_dataset, hub_config, hub_kwargs: instead of `sources`, call
             `datasets.load_dataset(hub_dataset, hub_config, **hub_kwargs)` (network access unless cached; only
-            used when given). Must have a `translation` column. Returns a `DatasetDict`.
+            used when given). Must have a `translation` column. Returns a `DatasetDict`. `hub_dataset` may also be
+            a local folder in the Hub's layout (`train.jsonl`, `validation.jsonl`, `test.jsonl`, ...).
+        num_proc: processes that clean a Hub dataset's rows (default: this one).
+
+    Local sources are streamed into Arrow files in the `datasets` cache, keyed by the files' content: a second load
+    of unchanged files reads the cached copy, and no split is ever held in Python objects.
 
     Raises:
         DataError: see `read_parallel_text` / `read_parallel_jsonl`; also when both or neither of
@@ -426,7 +560,7 @@ def load_parallel_dataset(
     if (sources is None) == (hub_dataset is None):
         raise DataError("pass exactly one of `sources` (local files) or `hub_dataset` (a Hub dataset name).")
     if hub_dataset is not None:
-        return _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hub_kwargs)
+        return _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hub_kwargs, num_proc)
     if isinstance(sources, Mapping):
         if not sources:
             raise DataError("`sources` is an empty mapping; give at least one split, e.g. {'train': prefix}.")
@@ -580,18 +714,38 @@ def tokenize_dataset(
     )
 
 
+def iter_sentences(dataset, lang: str, batch_size: int = 10_000) -> Iterator[str]:
+    """Stream one language's sentences from a `Dataset` of `{"translation": ...}` records, read from its Arrow data a
+    batch at a time (for BPE training on corpora larger than memory)."""
+    for table in dataset.select_columns(["translation"]).with_format("arrow").iter(batch_size=batch_size):
+        yield from table.column("translation").combine_chunks().field(lang).to_pylist()
+
+
+def _list_lengths(dataset, column: str) -> np.ndarray:
+    """Lengths of a list column, read from the Arrow offsets (no Python list per example)."""
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(dataset.data.column(column)).to_numpy(zero_copy_only=False).astype(np.int64)
+    indices = getattr(dataset, "_indices", None)  # after select()/shuffle(): rows of the underlying table
+    if indices is not None:
+        lengths = lengths[indices.column(0).to_numpy()]
+    return lengths
+
+
 def example_lengths(dataset, source_column: str = "input_ids", target_column: str = "labels"):
-    """Per-example token counts `(src_lengths, tgt_lengths)` (int64 numpy arrays) of a tokenized dataset,
-    for `TokenBudgetBatchSampler`."""
+    """Per-example token counts `(src_lengths, tgt_lengths)` (int64 numpy arrays of shape `(len(dataset),)`) of a
+    tokenized dataset, for `TokenBudgetBatchSampler`, read from the Arrow offsets without materializing the ids.
+
+    Raises:
+        DataError: a column is missing (tokenize first with `tokenize_dataset`).
+    """
     for c in (source_column, target_column):
         if c not in dataset.column_names:
             raise DataError(
                 f"column {c!r} not in dataset (columns: {', '.join(dataset.column_names)}); tokenize first "
                 f"with tokenize_dataset()."
             )
-    src = np.fromiter((len(x) for x in dataset[source_column]), dtype=np.int64, count=len(dataset))
-    tgt = np.fromiter((len(x) for x in dataset[target_column]), dtype=np.int64, count=len(dataset))
-    return src, tgt
+    return _list_lengths(dataset, source_column), _list_lengths(dataset, target_column)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -677,6 +831,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         num_replicas: int = 1,
         rank: int = 0,
         skip_oversize: bool = False,
+        num_batches_multiple: int | None = None,
     ):
         src = _as_lengths(src_lengths, "src_lengths")
         tgt = src if tgt_lengths is None else _as_lengths(tgt_lengths, "tgt_lengths")
@@ -699,6 +854,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.max_tokens, self.max_sentences = int(max_tokens), max_sentences
         self.shuffle, self.seed = shuffle, int(seed)
         self.num_replicas, self.rank = int(num_replicas), int(rank)
+        if num_batches_multiple is None:
+            num_batches_multiple = self.num_replicas
+        if isinstance(num_batches_multiple, bool) or not isinstance(num_batches_multiple, (int, np.integer)) or \
+                num_batches_multiple < 1:
+            raise DataError(f"num_batches_multiple must be an int >= 1, got {num_batches_multiple!r}.")
+        self.num_batches_multiple = int(num_batches_multiple)
         self.epoch = 0
 
         over = np.nonzero(self.num_tokens > self.max_tokens)[0]
@@ -719,7 +880,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._valid = np.nonzero(keep)[0]
         if len(self._valid) == 0:
             raise DataError(f"all {len(src)} examples are longer than max_tokens={self.max_tokens}.")
-        self._num_global_batches = len(self._make_batches(self._order(0)))
+        self._sizes = self._batch_sizes(self._order(0))  # the same every epoch: only equal lengths are reordered
 
     # -- internals ------------------------------------------------------------------------------------------
     def _order(self, epoch: int) -> np.ndarray:
@@ -732,22 +893,44 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         idx = idx[np.argsort(self.src_lengths[idx], kind="stable")]
         return idx
 
-    def _make_batches(self, order: np.ndarray) -> list[list[int]]:
-        batches: list[list[int]] = []
-        cur: list[int] = []
-        cur_max = 0
-        ntok = self.num_tokens
-        cap = self.max_sentences
-        for i in order.tolist():
-            n = int(ntok[i])
-            new_max = max(cur_max, n)
-            if cur and (new_max * (len(cur) + 1) > self.max_tokens or (cap is not None and len(cur) >= cap)):
-                batches.append(cur)
-                cur, new_max = [], n
-            cur.append(i)
-            cur_max = new_max
-        if cur:
-            batches.append(cur)
+    def _batch_sizes(self, order: np.ndarray) -> np.ndarray:
+        """Greedy packing in `order`: each batch takes examples while (longest so far) x (count) fits the budget. A loop
+        over batches, not examples: each step reads a window no longer than the batch can be, with numpy."""
+        ntok = self.num_tokens[order]
+        cap = self.max_sentences or len(order)
+        sizes, start, n = [], 0, len(order)
+        while start < n:
+            width = min(n - start, cap, self.max_tokens // int(ntok[start]))
+            longest = np.maximum.accumulate(ntok[start:start + width])
+            fits = longest * np.arange(1, width + 1) <= self.max_tokens  # true, then false: both factors grow
+            size = width if fits[-1] else int(np.argmin(fits))
+            sizes.append(size)
+            start += size
+        return self._even_out(np.asarray(sizes, dtype=np.int64))
+
+    def _even_out(self, sizes: np.ndarray) -> np.ndarray:
+        """Split the largest batches in two until their count is a multiple of `num_batches_multiple`, so every
+        process gets as many batches as the others and no example twice. Only the sizes are split (the same every
+        epoch); a batch of one example cannot be split, and `__iter__` then repeats batches."""
+        need = (-len(sizes)) % self.num_batches_multiple
+        while need:
+            splittable = np.nonzero(sizes >= 2)[0]
+            if not len(splittable):
+                break
+            chosen = np.zeros(len(sizes), dtype=bool)
+            chosen[splittable[np.argsort(-sizes[splittable], kind="stable")[:need]]] = True
+            first = np.where(chosen, sizes // 2, sizes)
+            halves = np.stack([first, sizes - first], axis=1).ravel()  # each split batch's two halves in place
+            sizes = halves[halves > 0]
+            need = (-len(sizes)) % self.num_batches_multiple
+        return sizes
+
+    def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        order = self._order(epoch)
+        batches = np.split(order, np.cumsum(self._sizes)[:-1])
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch, 1])
+            batches = [batches[j] for j in rng.permutation(len(batches))]
         return batches
 
     # -- public API -----------------------------------------------------------------------------------------
@@ -757,25 +940,19 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def global_batches(self, epoch: int | None = None) -> list[list[int]]:
         """All batches of `epoch` (default: current) before the per-rank split, in iteration order."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        batches = self._make_batches(self._order(epoch))
-        if self.shuffle:
-            rng = np.random.default_rng([self.seed, epoch, 1])
-            batches = [batches[j] for j in rng.permutation(len(batches))]
-        return batches
+        return [b.tolist() for b in self._epoch_batches(self.epoch if epoch is None else int(epoch))]
 
     def __iter__(self) -> Iterator[list[int]]:
-        batches = self.global_batches()
+        batches = self._epoch_batches(self.epoch)
         if self.num_replicas > 1:
             total = self.num_replicas * math.ceil(len(batches) / self.num_replicas)
-            pad = total - len(batches)
-            batches = batches + [batches[j % len(batches)] for j in range(pad)]
+            batches = batches + [batches[j % len(batches)] for j in range(total - len(batches))]
             batches = batches[self.rank::self.num_replicas]
-        return iter(batches)
+        return (b.tolist() for b in batches)
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same on every rank and every epoch)."""
-        return math.ceil(self._num_global_batches / self.num_replicas)
+        return math.ceil(len(self._sizes) / self.num_replicas)
 
     @property
     def num_examples(self) -> int:

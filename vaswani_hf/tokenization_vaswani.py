@@ -78,9 +78,13 @@ def train_joint_bpe(
     if vocab_size <= reserved:
         raise ValueError(f"train_joint_bpe: vocab_size must exceed {reserved} (special and byte tokens), "
                          f"got {vocab_size}.")
-    texts = list(_iterate_texts(sources))
-    if not any(text.strip() for text in texts):
-        raise ValueError("train_joint_bpe: the training text is empty; pass the files or sentences to learn from.")
+    seen = {"text": False}
+
+    def texts():  # streamed, never held as a list: the corpus may be larger than memory
+        for text in _iterate_texts(sources):
+            seen["text"] = seen["text"] or bool(text.strip())
+            yield text
+
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     _pipeline(tokenizer)
@@ -90,7 +94,9 @@ def train_joint_bpe(
         special_tokens=SPECIAL_TOKENS,
         show_progress=show_progress,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.train_from_iterator(texts(), trainer=trainer)
+    if not seen["text"]:
+        raise ValueError("train_joint_bpe: the training text is empty; pass the files or sentences to learn from.")
 
     # Rebuild the model with the 256 byte tokens appended and byte fallback on: unseen characters become bytes.
     learned = tokenizer.model
