@@ -285,7 +285,8 @@ def check_hub_folder(folder: str | os.PathLike) -> None:
 
 def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, repo_id: str | None = None,
                    metrics_file: str | os.PathLike | None = None, template: str | os.PathLike | None = None,
-                   license: str | None = None, force: bool = False, allow_inside: bool = False) -> Path:
+                   license: str | None = None, force: bool = False, allow_inside: bool = False,
+                   space: bool = False) -> Path:
     """Write the Hub-ready folder of the trained model in `model_dir` (a `save_pretrained` folder with its tokenizer,
     e.g. a training output_dir) to `output_dir`.
 
@@ -296,6 +297,8 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
         license: Hub license id for the card (default: see `card_data_for`).
         force: replace an existing `output_dir`. Never one that is, contains or lies inside `model_dir`.
         allow_inside: accept an `output_dir` inside `model_dir` (the training scripts' own `<output_dir>/hub`).
+        space: also write the demo page as a Hugging Face Space (`app.py`, `requirements.txt`, the page's code in
+            `vaswani_demo/`, Space metadata in the card; `vaswani_training.demo.space_files`).
 
     Returns:
         `output_dir` as a Path.
@@ -333,6 +336,13 @@ def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, 
         tokenizer.save_pretrained(tmp)
         (tmp / "README.md").write_text(readme, encoding="utf-8")
         check_hub_folder(tmp)
+        if space:  # the demo page beside the model: the folder also runs as a Space (training/demo.py)
+            from .demo import space_card, space_files
+
+            (tmp / "README.md").write_text(space_card(readme), encoding="utf-8")  # the Space's metadata added
+            for name, text in space_files(source_lang=metrics.get("source_lang", "de")).items():
+                (tmp / name).parent.mkdir(exist_ok=True)
+                (tmp / name).write_text(text, encoding="utf-8")
         swap_in_folder(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -451,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--license", default=None, help="Hub license id for the card (default: 'other' with the "
                                                         "Multi30k terms for Multi30k runs, else 'unknown').")
     parser.add_argument("--force", action="store_true", help="Replace --output_dir if it exists.")
+    parser.add_argument("--space", action="store_true", help="Also write the vaswani-demo page (app.py, "
+                        "requirements.txt): pushed as a Space (`hf upload NAME FOLDER --repo-type space`), it runs.")
     parser.add_argument("--push_to_hub", action="store_true", help="Upload the folder to --hub_model_id.")
     parser.add_argument("--hub_model_id", default=None,
                         help="namespace/name of the Hub repository (default: the output_dir's name).")
@@ -469,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.push_to_hub:  # before anything is written
             check_hub_reachable(args.hub_endpoint)
         folder = export_for_hub(args.model_dir, args.output_dir, repo_id=repo_id, metrics_file=args.metrics,
-                                template=args.model_card_template, license=args.license, force=args.force)
+                                template=args.model_card_template, license=args.license, force=args.force,
+                                space=args.space)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as error:
         raise SystemExit(f"error: {error}") from None
     print(f"Hub-ready folder: {folder}")
