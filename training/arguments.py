@@ -80,6 +80,11 @@ class RecipeArguments:
         "help": "At the end, average the last N checkpoints (§6.1: 5 for base, 20 for big) into the output model."})
     max_train_minutes: float | None = field(default=None, metadata={
         "help": "Stop training after this many minutes (checkpoint saved), then evaluate as usual."})
+    save_every_minutes: float | None = field(default=None, metadata={
+        "help": "Save a checkpoint every this many minutes of training, as the paper did (§6.1: checkpoints written "
+                "at 10-minute intervals, the last 5 or 20 averaged), besides any --save_steps ones (for the clock "
+                "alone: --save_strategy no, or --checkpointing_steps 0 without Trainer); all processes save at the "
+                "same step."})
     time_budget_minutes: float | None = field(default=None, metadata={
         "help": "Plan the number of steps from the measured speed of the first ones so that the whole command "
                 "(start to test BLEU) ends within this many minutes; the schedule ends with a linear lr cooldown. "
@@ -101,7 +106,7 @@ class RecipeArguments:
         # Refused when the flags are parsed; 0 is not "the preset's" (leave the flag out for that).
         if self.cpu_bf16 not in ("auto", "yes", "no"):
             raise CheckError(f"--cpu_bf16 must be auto, yes or no, got {self.cpu_bf16!r}.")
-        for name in ("lr_factor", "max_train_minutes"):
+        for name in ("lr_factor", "max_train_minutes", "save_every_minutes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not math.isfinite(value) or value <= 0):
                 raise CheckError(f"--{name} must be a positive number (leave the flag out for the preset's), got "

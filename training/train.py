@@ -235,6 +235,35 @@ class TimeLimit(TrainerCallback):
         return control
 
 
+class SaveEvery(TrainerCallback):
+    """A checkpoint every `minutes` of training (--save_every_minutes; §6.1: the paper's were written at 10-minute
+    intervals), besides those of --save_steps; the interval restarts at every save. `clock`: seconds, monotonic.
+
+    Each process reads its own clock; with several, the step is agreed by an all-reduce (MAX) each step, so that all
+    save together (a save gathers FSDP shards: one process alone would hang)."""
+
+    def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.clock = minutes * 60, clock
+        self.last = clock()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = self.clock()
+
+    def on_save(self, args, state, control, **kwargs):
+        self.last = self.clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        due = self.clock() - self.last >= self.seconds
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            flag = torch.tensor(float(due), device=args.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            due = bool(flag.item())
+        if due:
+            control.should_save = True
+        return control
+
+
 class CheckpointSettings(TrainerCallback):
     """Writes the run's settings into each checkpoint (`run_checks.RUN_SETTINGS`, read when the run is resumed) and
     gives its weights the modes of the user's umask."""
@@ -312,10 +341,11 @@ def main(argv: list[str] | None = None) -> dict:
     push = HubPush(training_args.hub_model_id, hub_token, training_args.hub_private_repo, recipe.hub_endpoint) \
         if training_args.push_to_hub else None
     training_args.push_to_hub = False
+    step_saving = getattr(training_args.save_strategy, "value", training_args.save_strategy) != "no"
     training_args.save_total_limit = check_inputs(
         run, save_total_limit=training_args.save_total_limit, save_total_limit_given="save_total_limit" in given,
-        saving=getattr(training_args.save_strategy, "value", training_args.save_strategy) != "no",
-        save_steps=training_args.save_steps, push=push)
+        saving=step_saving or bool(recipe.save_every_minutes),
+        save_steps=training_args.save_steps if step_saving else None, push=push)
     with claim_output_dir(run, main_process=training_args.process_index == 0):
         # Chosen once the run is accepted: on a CPU with native bf16 it times both precisions (about 2 s).
         run.plan.precision, run.plan.precision_reason = precision_choice(training_args, run)
@@ -354,6 +384,8 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
 
     time_limit = TimeLimit(plan.max_train_minutes)
     callbacks: list[TrainerCallback] = [time_limit, CheckpointSettings(run)]
+    if run.recipe.save_every_minutes:
+        callbacks.append(SaveEvery(run.recipe.save_every_minutes))
     planner = None
     if plan.budget_minutes:
         planner = BudgetPlanner(

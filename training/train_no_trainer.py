@@ -214,7 +214,8 @@ def run(argv: list[str] | None = None):
     push = HubPush(loop.hub_model_id, loop.hub_token, loop.hub_private_repo, recipe.hub_endpoint) \
         if loop.push_to_hub else None
     check_inputs(job, save_total_limit=loop.save_total_limit, save_total_limit_given=False, saving=True,
-                 save_steps=loop.checkpointing_steps or job.plan.max_steps, layout="accelerate", push=push)
+                 save_steps=loop.checkpointing_steps or (None if recipe.save_every_minutes else job.plan.max_steps),
+                 layout="accelerate", push=push)
     with claim_output_dir(job, main_process=int(os.environ.get("RANK", "0")) == 0):
         return _run(job, loop, push=push)
 
@@ -320,6 +321,7 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
     keep = max(loop.save_total_limit, job.recipe.average_last) if loop.save_total_limit else None
     target_tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
     start = time.perf_counter()
+    saved_at = time.monotonic()  # --save_every_minutes counts from the last checkpoint
     model.train()
     while completed < max_steps:
         micro_batches = [next(batches) for _ in range(accumulation)]
@@ -359,10 +361,17 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
                 stop = accelerator.reduce(late, reduction="sum").item() > 0
                 if stop and accelerator.is_main_process:
                     logger.info("Time limit reached at update %d: saving and stopping.", completed)
-        if stop or completed == max_steps or (loop.checkpointing_steps and completed % loop.checkpointing_steps == 0):
+        due = False
+        if job.recipe.save_every_minutes:  # every process saves at the same update (the clocks differ a little)
+            late = torch.tensor(float(time.monotonic() - saved_at >= job.recipe.save_every_minutes * 60),
+                                device=accelerator.device)
+            due = accelerator.reduce(late, reduction="sum").item() > 0
+        if stop or due or completed == max_steps or (loop.checkpointing_steps
+                                                     and completed % loop.checkpointing_steps == 0):
             save_checkpoint(accelerator, output_dir, completed,
                             {"global_step": completed, "max_steps": max_steps, "log_history": log_history},
                             tokenizer, keep=keep, settings=run_settings(job))
+            saved_at = time.monotonic()
         if stop:
             break
     batches.close()
