@@ -482,3 +482,91 @@ def test_train_cli_zero_samples_is_refused_not_read_as_all(tmp_path):
 
     with pytest.raises(DataError, match=r"take a number of examples >= 1 .*got 0"):  # the library function too
         select(list(range(3)), 0)
+
+
+# ----------------------------------------------------------------------------------------------- data at scale
+
+
+def test_two_ranks_get_disjoint_batches_covering_the_corpus_and_resume_sees_the_rest(m30k_lengths):
+    """What DDP needs at an epoch's end (equal batch counts, so no rank waits for a collective the other never joins),
+    and what a resumed run needs (the same remaining batches as an uninterrupted one), through accelerate's own
+    sharding of our sampler as both training loops use it."""
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+    from torch.utils.data import DataLoader
+
+    src, tgt = m30k_lengths
+    per_rank = []
+    for rank in range(2):
+        sampler = TokenBudgetBatchSampler(src, tgt, 4096, seed=3, num_batches_multiple=2)
+        loader = DataLoader(np.arange(len(src)), batch_sampler=sampler)
+        loader = prepare_data_loader(loader, num_processes=2, process_index=rank, put_on_device=False)
+        loader.set_epoch(1)
+        sampler.set_epoch(1)
+        per_rank.append([batch.tolist() for batch in loader])
+        # resumed after 7 batches of this epoch: exactly the batches an uninterrupted run has left
+        resumed = skip_first_batches(loader, 7)
+        resumed.set_epoch(1)
+        assert [batch.tolist() for batch in resumed] == per_rank[-1][7:]
+    assert len(per_rank[0]) == len(per_rank[1]) > 10
+    seen = Counter(i for batches in per_rank for batch in batches for i in batch)
+    assert set(seen) == set(range(len(src))) and set(seen.values()) == {1}
+
+
+def test_streaming_batches_cover_the_stream_once_with_equal_counts_per_rank(tmp_path, tiny_tokenizer):
+    from vaswani_hf.data import StreamingTokenBudgetBatches, stream_parallel_pairs
+
+    rng = np.random.default_rng(0)
+    words = "a b c d e f".split()
+    german = [" ".join(rng.choice(words, rng.integers(1, 12))) for _ in range(500)]
+    english = [" ".join(rng.choice(["A", "B", "C", "D"], rng.integers(1, 12))) for _ in range(500)]
+    german[7] = " ".join(["a"] * 40)  # over --max_source_length 20: left out and counted
+    write(tmp_path / "p.de", "\n".join(german) + "\n")
+    write(tmp_path / "p.en", "\n".join(english) + "\n")
+    pairs = stream_parallel_pairs(tmp_path / "p", "de", "en")
+    ranks = [StreamingTokenBudgetBatches(pairs, tiny_tokenizer, max_tokens=64, max_source_length=20, pool_pairs=120,
+                                         seed=1, num_replicas=2, rank=r) for r in range(2)]
+    batches = [list(stream) for stream in ranks]
+    assert len(batches[0]) == len(batches[1])  # each of the 5 pools dealt evenly
+    seen = Counter((" ".join(map(str, f["input_ids"])), " ".join(map(str, f["labels"])))
+                   for rank in batches for batch in rank for f in batch)
+    assert sum(seen.values()) == 499 and ranks[0].num_dropped == 1
+    for rank in batches:
+        for batch in rank:
+            assert max(max(len(f["input_ids"]), len(f["labels"])) for f in batch) * len(batch) <= 64
+    expected = tiny_tokenizer(german[:7] + german[8:])["input_ids"]
+    assert sorted(" ".join(map(str, ids)) for ids in expected) == sorted(k[0] for k in seen.elements())
+    ranks[0].set_epoch(1)
+    assert list(ranks[0]) != batches[0]  # a new order each epoch
+    with pytest.raises(DataError, match="callable"):
+        StreamingTokenBudgetBatches(german, tiny_tokenizer, max_tokens=64)
+
+
+def test_local_files_are_read_once_then_from_the_cache_keyed_by_content(tmp_path):
+    write(tmp_path / "p.de", "a b\nc\n")
+    write(tmp_path / "p.en", "A B\nC\n")
+    first = load_parallel_dataset(tmp_path / "p", "de", "en")
+    again = load_parallel_dataset(tmp_path / "p", "de", "en")
+    assert again.cache_files == first.cache_files and again._fingerprint == first._fingerprint
+    write(tmp_path / "p.en", "A B\nD\n")  # same size, new content: read again
+    changed = load_parallel_dataset(tmp_path / "p", "de", "en")
+    assert changed.cache_files != first.cache_files and changed[1]["translation"]["en"] == "D"
+
+
+@pytest.mark.parametrize("max_length", [None, 12, 3, 1])
+def test_the_fast_encoder_gives_the_tokenizers_own_ids(max_length):
+    from helpers import multi30k_tokenizer
+
+    from vaswani_hf.data import Encoder
+
+    tokenizer = multi30k_tokenizer()
+    texts = read_lines(multi30k_file("validation", "de"))[:300] + [
+        "a <s> b </s> <pad> <unk> c", "", "  x  ", "ünïcødé 😀 ▁", "Straßen-Café am Rhein-Ufer"]
+    expected = tokenizer(texts, truncation=max_length is not None, max_length=max_length)["input_ids"]
+    before = tokenizer.backend_tokenizer.truncation
+    encoder = Encoder(tokenizer, max_length + 1 if max_length else 7)
+    assert tokenizer.backend_tokenizer.truncation == before  # the tokenizer itself is left as it was
+    encoder = Encoder(tokenizer, max_length)
+    assert encoder.backend is not None and encoder(texts) == expected
+    target = Encoder(tokenizer, max_length, target=True)
+    assert target(texts) == tokenizer(text_target=texts, truncation=max_length is not None,
+                                      max_length=max_length)["input_ids"]

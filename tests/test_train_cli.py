@@ -533,7 +533,10 @@ def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
     from vaswani_training.arguments import DataArguments, ModelArguments
     from vaswani_training.prepare import get_tokenizer
 
-    data = {"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."}, {"de": "Eine Katze.", "en": "A cat."}]}
+    import datasets
+
+    data = datasets.Dataset.from_dict({"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."},
+                                                       {"de": "Eine Katze.", "en": "A cat."}]})
     model_args = ModelArguments(cache_dir=str(tmp_path))
     first = get_tokenizer(model_args, data, DataArguments(), 300)
     (cached,) = (tmp_path / "tokenizers").iterdir()

@@ -210,8 +210,9 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
     try:
         os.replace(tmp, cached)
     except OSError:  # another process cached it first
-        pass
-    return tokenizer
+        shutil.rmtree(tmp, ignore_errors=True)
+    # the tokenizer as every later run loads it, so that the tokenized splits' cache (keyed by it) is theirs too
+    return AutoTokenizer.from_pretrained(cached)
 
 
 def token_budget_sampler(dataset, max_tokens: int, *, shuffle: bool, seed: int, num_processes: int = 1):

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import IterableDataset, Sampler
 
 from .checks import CheckError
 
@@ -55,6 +55,7 @@ __all__ = [
     "load_multi30k",
     "MULTI30K_SPLITS",
     "tokenize_dataset",
+    "Encoder",
     "example_lengths",
     "iter_sentences",
     "iter_lines",
@@ -62,6 +63,8 @@ __all__ = [
     "iter_parallel_jsonl",
     "content_key",
     "TokenBudgetBatchSampler",
+    "StreamingTokenBudgetBatches",
+    "stream_parallel_pairs",
     "padding_fraction",
 ]
 
@@ -697,21 +700,59 @@ def tokenize_dataset(
         if len(ds):
             _check_languages(ds, source_lang, target_lang)
 
-    def _fn(batch):
-        src = [t[source_lang] for t in batch["translation"]]
-        tgt = [t[target_lang] for t in batch["translation"]]
-        enc = tokenizer(src, truncation=max_length is not None, max_length=max_length)
-        lab = tokenizer(text_target=tgt, truncation=max_target_length is not None, max_length=max_target_length)
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": lab["input_ids"]}
-
     return dataset.map(
-        _fn,
+        _tokenize_batch,
         batched=True,
         batch_size=batch_size,
         num_proc=num_proc,
         remove_columns=None if keep_translation else ["translation"],
+        fn_kwargs={"encode_source": Encoder(tokenizer, max_length),
+                   "encode_target": Encoder(tokenizer, max_target_length, target=True),
+                   "source_lang": source_lang, "target_lang": target_lang},
         desc="Tokenizing",
     )
+
+
+def _tokenize_batch(batch, *, encode_source, encode_target, source_lang, target_lang):
+    source = encode_source([t[source_lang] for t in batch["translation"]])
+    return {"input_ids": source, "attention_mask": [[1] * len(ids) for ids in source],
+            "labels": encode_target([t[target_lang] for t in batch["translation"]])}
+
+
+class Encoder:
+    """Texts -> token ids (`list[list[int]]`), as `tokenizer(texts, truncation=..., max_length=...)["input_ids"]`
+    (with `text_target=` for `target=True`) gives them.
+
+    A plain fast tokenizer (`PreTrainedTokenizerFast`, the joint BPE's class) is run through its `tokenizers` backend's
+    `encode_batch_fast` on a copy with the truncation set: the same ids (tests/test_data.py), computed without offsets
+    or Python `BatchEncoding` objects, 1.7x faster. Any other tokenizer (a subclass, a slow one, one with its own
+    target mode) takes the ordinary call.
+    """
+
+    def __init__(self, tokenizer, max_length: int | None, *, target: bool = False):
+        from transformers import PreTrainedTokenizerFast
+
+        self.tokenizer, self.max_length, self.target = tokenizer, max_length, target
+        self.backend = None
+        if type(tokenizer) is PreTrainedTokenizerFast:
+            from tokenizers import Tokenizer
+
+            original = tokenizer.backend_tokenizer
+            self.backend = Tokenizer.from_str(original.to_str())
+            self.backend.encode_special_tokens = original.encode_special_tokens  # split_special_tokens=True
+            if max_length is None:
+                self.backend.no_truncation()
+            else:
+                self.backend.enable_truncation(max_length)
+            self.backend.no_padding()
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        if self.backend is not None:
+            return [encoding.ids for encoding in self.backend.encode_batch_fast(texts)]
+        truncation = {"truncation": self.max_length is not None, "max_length": self.max_length}
+        if self.target:
+            return self.tokenizer(text_target=texts, **truncation)["input_ids"]
+        return self.tokenizer(texts, **truncation)["input_ids"]
 
 
 def iter_sentences(dataset, lang: str, batch_size: int = 10_000) -> Iterator[str]:
@@ -958,6 +999,143 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def num_examples(self) -> int:
         """Examples covered per epoch (all of them minus `num_skipped`)."""
         return len(self._valid)
+
+
+class StreamingTokenBudgetBatches(IterableDataset):
+    """Token-budget batches (§5.1) from a stream of sentence pairs larger than memory: memory stays flat in the
+    corpus size.
+
+    The stream is read in pools of `pool_pairs` pairs. Each pool is tokenized (in one batched call of the fast
+    tokenizer), cut into batches exactly as `TokenBudgetBatchSampler` cuts a corpus (sorted by length, packed to
+    `max_tokens` padded tokens, batch order shuffled with `seed` and the epoch), and its batches are dealt to the
+    processes in turn, the pool's batch count made a multiple of `num_replicas` by splitting its largest batches: every
+    process gets the same number of batches and no pair twice. Pairs longer than the length limits are left out and
+    counted in `num_dropped`; order across pools is the stream's (shuffle the corpus on disk once, as
+    tensor2tensor's and fairseq's streaming readers expect). With DataLoader workers, worker `w` of `W` prepares
+    pools `w, w + W, ...`; the DataLoader takes their batches in turn, so the order depends on `W`, not on timing.
+
+    Each item is a list of `{"input_ids", "attention_mask", "labels"}` features, ready for
+    `transformers.DataCollatorForSeq2Seq`: use `DataLoader(stream, batch_size=None, collate_fn=collator)`.
+    A resumed run skips the batches it has already consumed (`skip_batches`): the stream is read again, so it must
+    yield the same pairs in the same order.
+
+    Args:
+        pairs: a callable returning a fresh iterator of `(source, target)` strings each time (one per epoch), e.g.
+            `lambda: iter_parallel_text(prefix, "en", "de")` (see `stream_parallel_pairs`).
+        tokenizer: a fast tokenizer (`tokenizer(src)` and `tokenizer(text_target=tgt)` give the ids).
+        max_tokens: token budget per batch per process (padded; fairseq's --max-tokens).
+        max_source_length, max_target_length: longer pairs are left out (None: no limit besides `max_tokens`).
+        pool_pairs: pairs read, tokenized and batched together (default 100,000; memory grows with it, not with the
+            corpus).
+        seed, shuffle: batch order within a pool (shuffled per epoch by default).
+        num_replicas, rank: this process among the data-parallel ones.
+
+    Raises:
+        DataError: a bad budget, pool size or rank (see `TokenBudgetBatchSampler`).
+    """
+
+    def __init__(self, pairs, tokenizer, *, max_tokens: int, max_source_length: int | None = None,
+                 max_target_length: int | None = None, pool_pairs: int = 100_000, seed: int = 0,
+                 shuffle: bool = True, num_replicas: int = 1, rank: int = 0):
+        if not callable(pairs):
+            raise DataError("pairs must be a callable returning a fresh iterator of (source, target) pairs, e.g. "
+                            "lambda: iter_parallel_text(prefix, 'en', 'de').")
+        for name, value in (("max_tokens", max_tokens), ("pool_pairs", pool_pairs)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise DataError(f"{name} must be a positive int, got {value!r}.")
+        if not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise DataError(f"rank must be in [0, num_replicas) with num_replicas >= 1, got rank={rank!r}, "
+                            f"num_replicas={num_replicas!r}.")
+        self.pairs, self.tokenizer = pairs, tokenizer
+        self.max_tokens, self.pool_pairs = int(max_tokens), int(pool_pairs)
+        self.max_source_length, self.max_target_length = max_source_length, max_target_length
+        self.seed, self.shuffle, self.num_replicas, self.rank = int(seed), shuffle, int(num_replicas), int(rank)
+        self.epoch, self.num_dropped = 0, 0
+        self._encode_source, self._encode_target = Encoder(tokenizer, None), Encoder(tokenizer, None, target=True)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose batch order to draw (with `seed`); call before each epoch, as with `DistributedSampler`."""
+        self.epoch = int(epoch)
+
+    def _pool_batches(self, pool: list[tuple[str, str]], pool_index: int) -> Iterator[list[dict[str, list[int]]]]:
+        # ids as one int32 array a pool and side, cut at offsets: a Python int per token would be 9x the memory
+        sources, src = self._encode(self._encode_source, [s for s, _ in pool])
+        targets, tgt = self._encode(self._encode_target, [t for _, t in pool])
+        fits = np.maximum(np.maximum(src, tgt), 1) <= self.max_tokens
+        if self.max_source_length is not None:
+            fits &= src <= self.max_source_length
+        if self.max_target_length is not None:
+            fits &= tgt <= self.max_target_length
+        kept = np.nonzero(fits)[0]
+        self.num_dropped += len(pool) - len(kept)
+        if not len(kept):
+            return
+        sampler = TokenBudgetBatchSampler(src[kept], tgt[kept], self.max_tokens, shuffle=self.shuffle,
+                                          seed=self.seed * 1_000_003 + pool_index, num_replicas=self.num_replicas,
+                                          rank=self.rank)
+        sampler.set_epoch(self.epoch)
+        src_starts, tgt_starts = np.cumsum(src) - src, np.cumsum(tgt) - tgt
+        for batch in sampler:
+            features = []
+            for i in kept[batch].tolist():
+                source = sources[src_starts[i]:src_starts[i] + src[i]].tolist()
+                features.append({"input_ids": source, "attention_mask": [1] * len(source),
+                                 "labels": targets[tgt_starts[i]:tgt_starts[i] + tgt[i]].tolist()})
+            yield features
+
+    @staticmethod
+    def _encode(encoder, texts: list[str], chunk: int = 2000) -> tuple[np.ndarray, np.ndarray]:
+        """All ids of `texts` in one int32 array, and each text's length."""
+        ids, lengths = [], []
+        for start in range(0, len(texts), chunk):
+            encoded = encoder(texts[start:start + chunk])
+            lengths.extend(map(len, encoded))
+            ids.append(np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32))
+        return np.concatenate(ids) if ids else np.zeros(0, np.int32), np.asarray(lengths, dtype=np.int64)
+
+    def __iter__(self) -> Iterator[list[dict[str, list[int]]]]:
+        from torch.utils.data import get_worker_info
+
+        worker = get_worker_info()
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        stream = iter(self.pairs())
+        for pool_index in itertools.count():
+            pool = list(itertools.islice(stream, self.pool_pairs))
+            if not pool:
+                return
+            if pool_index % num_workers == worker_id:
+                yield from self._pool_batches(pool, pool_index)
+
+
+def stream_parallel_pairs(source: PathLike | None = None, source_lang: str = "de", target_lang: str = "en", *,
+                          empty_lines: str = "skip", hub_dataset: str | None = None, hub_config: str | None = None,
+                          split: str = "train"):
+    """A callable that streams the `(source, target)` pairs of one split afresh at each call, for
+    `StreamingTokenBudgetBatches`: local files (a prefix of parallel text files or a JSON-lines file, read by
+    `iter_parallel_text` / `iter_parallel_jsonl`) or a Hub dataset (or local folder in the Hub's layout) opened with
+    `datasets.load_dataset(..., streaming=True)`. Nothing is read until it is called.
+
+    Raises:
+        DataError: both or neither of `source` and `hub_dataset` given.
+    """
+    if (source is None) == (hub_dataset is None):
+        raise DataError("pass exactly one of `source` (local files) or `hub_dataset` (a Hub dataset name or folder).")
+    if source is not None:
+        path = Path(source)
+        read = iter_parallel_jsonl if _is_jsonl(path) else iter_parallel_text
+        return lambda: read(path, source_lang, target_lang, empty_lines=empty_lines)
+
+    def hub_pairs():
+        import datasets
+
+        rows = datasets.load_dataset(hub_dataset, hub_config, split=split, streaming=True)
+        indexed = ((i, (row["translation"][source_lang] or "").strip(), (row["translation"][target_lang] or "").strip())
+                   for i, row in enumerate(rows))
+        where = f"Hub dataset {hub_dataset!r} split {split!r} row"
+        yield from _empty_policy(indexed, empty_lines, lambda i: f"{where} {i} ({source_lang})",
+                                 lambda i: f"{where} {i} ({target_lang})", _new_counts())
+
+    return hub_pairs
 
 
 def padding_fraction(
