@@ -17,8 +17,10 @@ runs each variant in a fresh process and reports wall times and peak memory:
   `ours`: its peak memory should not grow with the corpus.
 
 Loader throughput is tokens a second (source + target, padded slots as the model sees them, and real tokens) of
-the first `--loader-batches` batches of 25,000-token batches through a `DataLoader` with `DataCollatorForSeq2Seq`, one
-process. Peak RSS is `getrusage`'s: the process itself, and the largest of its finished worker processes.
+the first `--loader-batches` 25,000-token batches through a `DataLoader`, one process: ours with `PaddedBatches` (what
+both training loops use) and, beside it, with `DataCollatorForSeq2Seq` on the same batches; the baseline with
+`DataCollatorForSeq2Seq` on its fixed-size batches. Peak RSS is `getrusage`'s: the process itself, and the largest of
+its finished worker processes.
 
     python benchmarks/bench_data.py --output benchmarks/results/bench_data.json                # all three sizes
     python benchmarks/bench_data.py --pairs 1000000 --variants ours baseline                   # one size, two variants
@@ -78,7 +80,7 @@ def run_ours(corpus: Path, cache: Path, loader_batches: int, started: float) -> 
     """vaswani-train's preparation, timed step by step."""
     from transformers import DataCollatorForSeq2Seq
 
-    from vaswani_hf.data import tokenize_dataset
+    from vaswani_hf.data import PaddedBatches, tokenize_dataset
     from vaswani_training.arguments import DataArguments, ModelArguments
     from vaswani_training.prepare import get_tokenizer, load_raw_datasets, token_budget_sampler
 
@@ -102,11 +104,14 @@ def run_ours(corpus: Path, cache: Path, loader_batches: int, started: float) -> 
     times["batch"] = time.perf_counter() - clock
     to_first_batch = time.perf_counter() - started
     memory = peak_rss_mib()  # before the throughput loop, whose batches are not preparation
+    batches = PaddedBatches(tokenized["train"], tokenizer.pad_token_id)
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
     return {"seconds": {k: round(v, 2) for k, v in times.items()}, "prepare_seconds": round(sum(times.values()), 2),
             "process_start_to_first_batch_seconds": round(to_first_batch, 2), "peak_rss_mib": memory,
             "pairs": len(tokenized["train"]), "batches": len(sampler), "first_batch_pairs": len(first),
-            "loader": loader_throughput(tokenized["train"], sampler, collator, loader_batches)}
+            "loader": loader_throughput(batches, sampler, batches.collate, loader_batches),
+            "loader with DataCollatorForSeq2Seq": loader_throughput(tokenized["train"], sampler, collator,
+                                                                    loader_batches)}
 
 
 def run_baseline(corpus: Path, cache: Path, tokenizer_dir: str, loader_batches: int, started: float) -> dict:
@@ -145,6 +150,7 @@ def run_baseline(corpus: Path, cache: Path, tokenizer_dir: str, loader_batches: 
 
 def run_streaming(corpus: Path, tokenizer_dir: str) -> dict:
     """One pass of the streaming batches over the whole training file."""
+    from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
 
     from vaswani_hf.data import StreamingTokenBudgetBatches, stream_parallel_pairs
@@ -154,12 +160,13 @@ def run_streaming(corpus: Path, tokenizer_dir: str) -> dict:
                                          max_tokens=MAX_TOKENS, max_source_length=256, max_target_length=256)
     batches = tokens = 0
     clock = time.perf_counter()
-    for batch in stream:
+    # two workers, as a run with --dataloader_num_workers 2: each prepares every other pool
+    for batch in DataLoader(stream, batch_size=None, num_workers=WORKERS, collate_fn=lambda features: features):
         batches += 1
         tokens += sum(len(f["input_ids"]) + len(f["labels"]) for f in batch)
     seconds = time.perf_counter() - clock
     return {"seconds": round(seconds, 2), "batches": batches, "real_tokens_per_s": round(tokens / seconds),
-            "dropped": stream.num_dropped, "peak_rss_mib": peak_rss_mib()}
+            "peak_rss_mib": peak_rss_mib()}
 
 
 def child(args) -> None:
@@ -234,7 +241,8 @@ def main(argv=None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
-    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help="a saved BPE for the streaming variant alone (e.g. "
+                                            "WORKDIR/tokenizer-4500000 of an earlier run) instead of training one")
     parser.add_argument("--launched", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -247,9 +255,9 @@ def main(argv=None) -> int:
     print(json.dumps(results["versions"]), flush=True)
     for size in args.pairs:
         corpus = corpus_of(size, workdir)
-        figures, tokenizer = {}, None
-        for variant in ("ours", "baseline"):  # ours always: the others use its BPE
-            if variant == "baseline" and variant not in args.variants:
+        figures, tokenizer = {}, args.tokenizer
+        for variant in ("ours", "baseline"):  # ours first: the others use its BPE
+            if variant not in args.variants and (variant == "baseline" or args.tokenizer):
                 continue
             cache = workdir / f"cache-{variant}-{size}"
             shutil.rmtree(cache, ignore_errors=True)
@@ -257,7 +265,10 @@ def main(argv=None) -> int:
             cached = in_child(variant, corpus, cache, args, tokenizer)
             figures[variant] = {"cold": cold, "cached": cached}
             if variant == "ours":
-                (tokenizer,) = map(str, (cache / "vaswani" / "tokenizers").iterdir())
+                (trained,) = (cache / "vaswani" / "tokenizers").iterdir()
+                kept = workdir / f"tokenizer-{size}"
+                shutil.rmtree(kept, ignore_errors=True)
+                tokenizer = str(shutil.copytree(trained, kept))
         if "streaming" in args.variants:
             figures["streaming"] = in_child("streaming", corpus, workdir / "cache-streaming", args, tokenizer)
         if "ours" in figures and "baseline" in figures:

@@ -12,6 +12,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from helpers import ENGLISH, ROOT, train_cli, write, write_parallel
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -570,3 +571,29 @@ def test_the_fast_encoder_gives_the_tokenizers_own_ids(max_length):
     target = Encoder(tokenizer, max_length, target=True)
     assert target(texts) == tokenizer(text_target=texts, truncation=max_length is not None,
                                       max_length=max_length)["input_ids"]
+
+
+def test_padded_batches_are_the_collators_tensors(tmp_path):
+    from helpers import multi30k_tokenizer
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorForSeq2Seq
+
+    from vaswani_hf.data import PaddedBatches
+
+    tokenizer = multi30k_tokenizer()
+    tokenized = tokenize_dataset(load_multi30k(splits=("validation",))["validation"], tokenizer, "de", "en")
+    sampler = TokenBudgetBatchSampler(*example_lengths(tokenized), max_tokens=600, seed=2)
+    batches = PaddedBatches(tokenized, tokenizer.pad_token_id)
+    ours = list(DataLoader(batches, batch_sampler=sampler, collate_fn=batches.collate))
+    theirs = list(DataLoader(tokenized, batch_sampler=sampler,
+                             collate_fn=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)))
+    assert len(ours) == len(theirs) > 20
+    for mine, expected in zip(ours, theirs):
+        assert mine.keys() == expected.keys()
+        for key in mine:
+            assert mine[key].dtype == expected[key].dtype and torch.equal(mine[key], expected[key]), key
+    assert (ours[0]["labels"] == -100).any() or (ours[1]["labels"] == -100).any()  # padding happened
+    assert torch.equal(batches.collate([batches[3], batches[5]])["input_ids"][1, :len(tokenized[5]["input_ids"])],
+                       torch.tensor(tokenized[5]["input_ids"]))
+    with pytest.raises(DataError, match="tokenize first"):
+        PaddedBatches(load_multi30k(splits=("validation",))["validation"], 0)
