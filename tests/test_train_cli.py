@@ -203,7 +203,11 @@ def test_the_wheel_installs_vaswani_hf_with_its_data_and_vaswani_training(tmp_pa
     assert archive.read("vaswani_training/model_card.md") == (ROOT / "model_card.md").read_bytes()
     entry_points = archive.read("vaswani_hf-0.1.0.dist-info/entry_points.txt").decode().split("[console_scripts]")[1]
     targets = [line.split(" = ")[1] for line in entry_points.split("\n") if " = " in line]
-    assert len(targets) == 8 and all(target.startswith("vaswani_training.") for target in targets)
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert sorted(targets) == sorted(scripts.values()) and len(targets) >= 9  # vaswani-train ... vaswani-demo
+    assert all(target.startswith("vaswani_training.") for target in targets)
 
 
 def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
@@ -530,10 +534,10 @@ def test_the_hub_token_is_in_no_file_of_a_run_or_an_export(tiny_run, tmp_path):
 
 
 def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
+    import datasets
+
     from vaswani_training.arguments import DataArguments, ModelArguments
     from vaswani_training.prepare import get_tokenizer
-
-    import datasets
 
     data = datasets.Dataset.from_dict({"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."},
                                                        {"de": "Eine Katze.", "en": "A cat."}]})
@@ -594,3 +598,34 @@ def test_learned_positions_refuse_long_input_when_translating_and_training(tmp_p
                           str(tmp_path / "cache"), "--max_steps", "1", "--cpu_bf16", "no", "--train_file", prefix,
                           "--config_overrides", "position_embedding_type=learned,max_position_embeddings=16"])
     assert not list((tmp_path / "nt").glob("*checkpoint-*"))
+
+
+# --streaming: the training split read as a stream, for corpora larger than memory -------------------------------------
+
+
+def test_streaming_trains_on_a_local_folder_in_the_hubs_layout(tmp_path):
+    """A wmt14-layout folder (train/validation/test.jsonl) read with --streaming: the BPE learns from one pass over the
+    stream, training runs its --max_steps, and test BLEU is computed from the test split as usual."""
+    from vaswani_training.synthetic import write_synthetic_corpus
+
+    write_synthetic_corpus(tmp_path / "wmt", 300, validation_pairs=20, test_pairs=4, seed=1)
+    metrics = train_cli(tmp_path / "out", tmp_path / "cache", "--dataset_name", tmp_path / "wmt", "--streaming",
+                        "--max_steps", "4", "--max_tokens", "400", "--vocab_size", "400", "--max_source_length", "60",
+                        "--max_target_length", "60")
+    assert metrics["train_steps"] == 4
+    assert "train_tokens_per_second" not in metrics and "test_bleu" in metrics
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    (bpe,) = (tmp_path / "cache" / "tokenizers").iterdir()  # trained on the stream, cached
+    assert json.loads((bpe / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+
+
+def test_streaming_is_refused_without_max_steps_and_by_the_no_trainer_loop(tmp_path):
+    prefix = write_parallel(tmp_path / "data")
+    with pytest.raises(ValueError, match="--streaming needs --max_steps"):
+        train_cli(tmp_path / "out", tmp_path / "cache", "--train_file", prefix, "--streaming",
+                  "--time_budget_minutes", "1")
+    from vaswani_training.train_no_trainer import main as no_trainer
+
+    with pytest.raises(ValueError, match="--streaming is a flag of vaswani-train"):
+        no_trainer(["--preset", "tiny", "--train_file", prefix, "--streaming", "--max_steps", "2", "--output_dir",
+                    str(tmp_path / "out2"), "--cache_dir", str(tmp_path / "cache")])

@@ -38,6 +38,10 @@ class DataArguments:
                 "preset's."})
     preprocessing_num_workers: int | None = field(default=None, metadata={
         "help": "Processes that clean and tokenize the data (datasets' num_proc; default: this one)."})
+    streaming: bool = field(default=False, metadata={
+        "help": "Read the training split as a stream, tokenized and batched a pool at a time (memory flat in the "
+                "corpus size, nothing written to disk), for corpora larger than memory. vaswani-train only; needs "
+                "--max_steps."})
     drop_long_pairs: bool = field(default=False, metadata={
         "help": "Leave out training pairs longer than --max_source_length/--max_target_length tokens (counted and "
                 "reported), as fairseq and tensor2tensor filter, instead of truncating them."})

@@ -21,12 +21,16 @@ import numpy as np
 from vaswani_hf import VaswaniConfig, train_joint_bpe
 from vaswani_hf.checks import CheckError, read_json
 from vaswani_hf.data import (
+    MULTI30K_SPLITS,
     TokenBudgetBatchSampler,
+    content_key,
     example_lengths,
     iter_sentences,
     load_multi30k,
     load_parallel_dataset,
+    multi30k_dir,
     parallel_files,
+    stream_parallel_pairs,
     tokenize_dataset,
 )
 
@@ -37,7 +41,10 @@ logger = logging.getLogger("vaswani_hf.training")
 
 
 def load_raw_datasets(data_args: DataArguments):
-    """`DatasetDict` with train/validation/test `{"translation": {...}}` records (Multi30k by default)."""
+    """`DatasetDict` with train/validation/test `{"translation": {...}}` records (Multi30k by default); with
+    --streaming, validation and test only (the training split is read by `training_stream`)."""
+    if data_args.streaming:
+        return _evaluation_splits(data_args)
     if data_args.dataset_name:
         return load_parallel_dataset(hub_dataset=data_args.dataset_name, hub_config=data_args.dataset_config_name,
                                      source_lang=data_args.source_lang, target_lang=data_args.target_lang,
@@ -51,6 +58,55 @@ def load_raw_datasets(data_args: DataArguments):
                         "the shipped Multi30k).")
     return load_parallel_dataset({k: v for k, v in files.items() if v}, data_args.source_lang,
                                  data_args.target_lang, empty_lines=data_args.empty_lines)
+
+
+def _evaluation_splits(data_args: DataArguments):
+    import datasets
+
+    if is_multi30k(data_args):
+        return load_multi30k(data_args.source_lang, data_args.target_lang, splits=("validation", "test"),
+                             empty_lines=data_args.empty_lines)
+    if data_args.dataset_name:
+        splits = {}
+        for split in ("validation", "test"):
+            try:
+                loaded = load_parallel_dataset(hub_dataset=data_args.dataset_name,
+                                               hub_config=data_args.dataset_config_name,
+                                               source_lang=data_args.source_lang, target_lang=data_args.target_lang,
+                                               empty_lines=data_args.empty_lines, hub_kwargs={"split": split})
+            except ValueError as error:  # datasets: 'Unknown split "test". Should be one of [...]'
+                if "split" not in str(error).lower() or isinstance(error, CheckError):
+                    raise
+                continue
+            splits[split] = loaded["train"]
+        return datasets.DatasetDict(splits)
+    files = {"validation": data_args.validation_file, "test": data_args.test_file}
+    return datasets.DatasetDict({split: load_parallel_dataset(source, data_args.source_lang, data_args.target_lang,
+                                                              empty_lines=data_args.empty_lines)
+                                 for split, source in files.items() if source})
+
+
+def training_stream(data_args: DataArguments):
+    """--streaming: a callable that reads the training pairs afresh at each call (`stream_parallel_pairs`: the shipped
+    Multi30k, --train_file, or --dataset_name opened with `streaming=True`), the first --max_train_samples of them."""
+    if data_args.dataset_name:
+        pairs = stream_parallel_pairs(source_lang=data_args.source_lang, target_lang=data_args.target_lang,
+                                      empty_lines=data_args.empty_lines, hub_dataset=data_args.dataset_name,
+                                      hub_config=data_args.dataset_config_name)
+    else:
+        source = data_args.train_file or multi30k_dir() / MULTI30K_SPLITS["train"]
+        pairs = stream_parallel_pairs(source, data_args.source_lang, data_args.target_lang,
+                                      empty_lines=data_args.empty_lines)
+    limit = data_args.max_train_samples
+    return pairs if limit is None else (lambda: itertools.islice(pairs(), limit))
+
+
+def _stream_key(data_args: DataArguments) -> str:
+    """What names a training stream's content, for the BPE cache."""
+    if data_args.dataset_name:
+        return f"hub|{data_args.dataset_name}|{data_args.dataset_config_name}"
+    source = data_args.train_file or multi30k_dir() / MULTI30K_SPLITS["train"]
+    return f"files|{content_key(parallel_files(source, data_args.source_lang, data_args.target_lang))}"
 
 
 def select(dataset, n: int | None):
@@ -72,18 +128,24 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, preset: d
     --max_train_samples training pairs, get the tokenizer (`get_tokenizer`: trained on the training split and cached,
     or loaded) and tokenize every split, truncated to --max_source_length / --max_target_length.
 
+    With --streaming, `raw` and `tokenized` hold validation and test only, and the BPE learns from one pass over the
+    training stream (`training_stream`).
+
     Returns:
         `(raw, tokenizer, tokenized)`: the `DatasetDict` of `{"translation": ...}` records, the tokenizer, and the
         `DatasetDict` of `input_ids` / `attention_mask` / `labels`.
     """
     raw = load_raw_datasets(data_args)
-    raw["train"] = select(raw["train"], data_args.max_train_samples)
-    tokenizer = get_tokenizer(model_args, raw["train"], data_args, model_args.vocab_size or preset["vocab_size"])
+    if data_args.streaming:
+        train = training_stream(data_args)
+    else:
+        train = raw["train"] = select(raw["train"], data_args.max_train_samples)
+    tokenizer = get_tokenizer(model_args, train, data_args, model_args.vocab_size or preset["vocab_size"])
     tokenized = tokenize_dataset(raw, tokenizer, data_args.source_lang, data_args.target_lang,
                                  max_length=data_args.max_source_length,
                                  max_target_length=data_args.max_target_length, keep_translation=False,
                                  num_proc=data_args.preprocessing_num_workers)
-    if data_args.drop_long_pairs:
+    if data_args.drop_long_pairs and not data_args.streaming:  # a stream leaves long pairs out anyway
         tokenized["train"] = drop_long_pairs(raw["train"], tokenizer, tokenized["train"], data_args)
     return raw, tokenizer, tokenized
 
@@ -170,7 +232,8 @@ def build_model(model_args: ModelArguments, preset: dict[str, Any], tokenizer):
 
 
 def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArguments, vocab_size: int):
-    """The joint BPE of §5.1, trained on source and target side of the training split, or loaded.
+    """The joint BPE of §5.1, trained on source and target side of the training split (a `Dataset`, or with
+    --streaming the callable of `training_stream`), or loaded.
 
     Trained tokenizers are cached under `cache_dir/tokenizers/<hash of the training text and settings>`, so a second
     run on the same data reuses it.
@@ -182,7 +245,9 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
     src_lang, tgt_lang = data_args.source_lang, data_args.target_lang
     digest = hashlib.sha256()
     digest.update(f"bpe-v1|{vocab_size}|".encode())
-    if train_dataset.cache_files:  # memory-mapped: its fingerprint names its content, nothing to read
+    if callable(train_dataset):  # --streaming: the pairs afresh at each call
+        digest.update(f"{src_lang}|{tgt_lang}|{_stream_key(data_args)}|{data_args.max_train_samples}".encode())
+    elif train_dataset.cache_files:  # memory-mapped: its fingerprint names its content, nothing to read
         digest.update(f"{src_lang}|{tgt_lang}|{train_dataset._fingerprint}".encode())
     else:
         for line in itertools.chain(iter_sentences(train_dataset, src_lang), iter_sentences(train_dataset, tgt_lang)):
@@ -201,9 +266,13 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
         else:
             logger.info("Reusing the joint BPE cached at %s", cached)
             return tokenizer
-    logger.info("Training a joint BPE of %d entries on %d sentence pairs", vocab_size, len(train_dataset))
-    tokenizer = train_joint_bpe([iter_sentences(train_dataset, src_lang), iter_sentences(train_dataset, tgt_lang)],
-                                vocab_size=vocab_size)
+    if callable(train_dataset):
+        logger.info("Training a joint BPE of %d entries on one pass over the training stream", vocab_size)
+        texts = [itertools.chain.from_iterable(train_dataset())]
+    else:
+        logger.info("Training a joint BPE of %d entries on %d sentence pairs", vocab_size, len(train_dataset))
+        texts = [iter_sentences(train_dataset, src_lang), iter_sentences(train_dataset, tgt_lang)]
+    tokenizer = train_joint_bpe(texts, vocab_size=vocab_size)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent if cached.parent.exists() else None))
     tokenizer.save_pretrained(tmp)
     cached.parent.mkdir(parents=True, exist_ok=True)

@@ -206,13 +206,32 @@ def new_run(model_args: ModelArguments, data_args: DataArguments, recipe: Recipe
     return Run(model_args, data_args, recipe, preset, plan, Path(output_dir), resume_value)
 
 
+def check_streaming(run: Run, layout: str) -> None:
+    """--streaming trains for --max_steps updates of vaswani-train: a stream's batch count is not known before a pass,
+    so no time budget can be planned over it, and the no-Trainer loop counts its epochs in batches.
+
+    Raises:
+        CheckError: --streaming with the no-Trainer loop, or without --max_steps (a time budget instead).
+    """
+    if not run.data_args.streaming:
+        return
+    if layout != "trainer":
+        raise CheckError("--streaming is a flag of vaswani-train; vaswani-train-no-trainer counts its epochs in "
+                         "batches, which a stream does not know. Use vaswani-train, or leave --streaming out.")
+    if run.plan.budget_minutes is not None:
+        raise CheckError("--streaming needs --max_steps (and no --time_budget_minutes): the number of batches in a "
+                         "stream is not known before a pass over it, so no time budget can be planned; "
+                         "--max_train_minutes still stops training by the clock.")
+
+
 def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_given: bool, saving: bool,
                  save_steps: int | float | None, layout: str = "trainer", push: HubPush | None = None) -> int | None:
     """Everything that can be checked before the data, the tokenizer and the training: `--average_last` against the
     checkpoints the run keeps (`check_average_last`), the model and tokenizer it starts from
     (`check_model_inputs`); for a resumed run the checkpoint it continues (`resolve_resume_checkpoint`: complete,
     finite weights; kept in `run.plan.resume_from`), its settings (`check_resume_settings`) and the checkpoints
-    `--average_last` will find (`check_average_last_resumed`); with `push`, that the Hub can be reached.
+    `--average_last` will find (`check_average_last_resumed`); with `push`, that the Hub can be reached; --streaming
+    (`check_streaming`).
 
     `layout`: the checkpoints of the loop, "trainer" (train.py) or "accelerate" (train_no_trainer.py).
 
@@ -222,6 +241,7 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
     Raises:
         CheckError: naming the flag and what to do.
     """
+    check_streaming(run, layout)
     limit = check_average_last(run.recipe.average_last, save_total_limit=save_total_limit,
                                save_total_limit_given=save_total_limit_given, saving=saving,
                                max_steps=run.plan.max_steps, save_steps=save_steps, resuming=run.plan.resuming)

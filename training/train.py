@@ -44,13 +44,13 @@ from transformers import (
 )
 
 from vaswani_hf.checks import CheckError, follow_umask, weight_files
-from vaswani_hf.data import PaddedBatches, example_lengths
+from vaswani_hf.data import PaddedBatches, StreamingTokenBudgetBatches, example_lengths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
 from .planner import BudgetPlanner
 from .precision import cpu_precision
-from .prepare import select, token_budget_sampler
+from .prepare import select, token_budget_sampler, training_stream
 from .presets import resolve_preset
 from .run import (
     HubPush,
@@ -182,6 +182,11 @@ class PaperTrainer(Seq2SeqTrainer):
         return self.lr_scheduler
 
     def get_train_dataloader(self) -> DataLoader:
+        if isinstance(self.train_dataset, StreamingTokenBudgetBatches):
+            # batches already cut and dealt to this process by the stream itself: not sharded again by accelerate
+            return DataLoader(self.train_dataset, batch_size=None, collate_fn=self.data_collator,
+                              num_workers=self.args.dataloader_num_workers,
+                              pin_memory=self.args.dataloader_pin_memory and self.args.device.type != "cpu")
         sampler = token_budget_sampler(self.train_dataset, self.max_tokens, shuffle=True, seed=self.args.seed,
                                        num_processes=self.accelerator.num_processes)
         # Pinned memory speeds up copies to an accelerator only; on a CPU torch warns that it is unused.
@@ -264,6 +269,17 @@ class SaveEvery(TrainerCallback):
         if due:
             control.should_save = True
         return control
+
+
+class StreamEpochs(TrainerCallback):
+    """--streaming: each pass over the stream draws its own batch order (`set_epoch`), as the token-budget sampler's
+    epochs do."""
+
+    def __init__(self, stream: StreamingTokenBudgetBatches):
+        self.stream = stream
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.stream.set_epoch(int(state.epoch or 0))
 
 
 class CheckpointSettings(TrainerCallback):
@@ -386,6 +402,12 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
 
     time_limit = TimeLimit(plan.max_train_minutes)
     callbacks: list[TrainerCallback] = [time_limit, CheckpointSettings(run)]
+    train_dataset = tokenized["train"] if not data_args.streaming else StreamingTokenBudgetBatches(
+        training_stream(data_args), tokenizer, max_tokens=plan.max_tokens,
+        max_source_length=data_args.max_source_length, max_target_length=data_args.max_target_length,
+        seed=training_args.seed, num_replicas=training_args.world_size, rank=training_args.process_index)
+    if data_args.streaming:
+        callbacks.append(StreamEpochs(train_dataset))
     if run.recipe.save_every_minutes:
         callbacks.append(SaveEvery(run.recipe.save_every_minutes))
     planner = None
@@ -400,7 +422,7 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
     trainer = PaperTrainer(
         model=model,
         args=training_args,
-        train_dataset=tokenized["train"],
+        train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100),
         processing_class=tokenizer,
@@ -431,15 +453,16 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
             follow_umask(path)
 
     state = trainer.state
-    src_lengths, tgt_lengths = example_lengths(tokenized["train"])
-    tokens_per_epoch = int(src_lengths.sum() + tgt_lengths.sum())
     metrics = dict(train_result.metrics)
     metrics.update(run_metrics(run, trainer.model, steps=state.global_step, epochs=state.epoch or 0.0,
                                train_seconds=train_seconds, device=trainer.args.device,
                                distributed_type=trainer.accelerator.distributed_type.value,
                                world_size=training_args.world_size, mixed_precision=training_args.mixed_precision))
-    # Source + target tokens without padding: epochs (fractional) x tokens in one pass over the data.
-    metrics["train_tokens_per_second"] = round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1)
+    if not data_args.streaming:  # a stream's length is not known
+        # Source + target tokens without padding: epochs (fractional) x tokens in one pass over the data.
+        src_lengths, tgt_lengths = example_lengths(tokenized["train"])
+        tokens_per_epoch = int(src_lengths.sum() + tgt_lengths.sum())
+        metrics["train_tokens_per_second"] = round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1)
     if planner is not None and planner.plans:
         metrics["plan"] = planner.plans[-1]
     if main_process:  # test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways; metrics.json; the upload
