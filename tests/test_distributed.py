@@ -327,3 +327,15 @@ def test_accelerate_configs(monkeypatch):
     wrapped = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
     assert {cls.__name__ for cls in wrapped} == {"VaswaniEncoderLayer", "VaswaniDecoderLayer"}
     assert {type(layer) for layer in model.model.encoder.layers} <= wrapped
+
+
+def test_a_stop_in_one_process_stops_all_at_the_same_step():
+    """A SIGTERM that reaches one process, or a --max_train_minutes deadline one process's clock passes first, stops
+    every process at the same step (one that stopped alone would leave the others waiting in an all-reduce)."""
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    workers = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "_stop_worker.py"), str(rank), port], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [worker.communicate(timeout=120) for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert [out.strip().splitlines()[-1] for out, _ in outputs] == ["stopped 2 4", "stopped 2 4"]

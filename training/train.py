@@ -198,9 +198,21 @@ class PaperTrainer(Seq2SeqTrainer):
         return self.accelerator.prepare(loader)
 
 
+def any_process(flag: bool, device) -> bool:
+    """True when `flag` is true in any process of the run (an all-reduce MAX where there are several; a collective:
+    every process must call it at the same point)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return flag
+    value = torch.tensor(float(flag), device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
 class TimeLimit(TrainerCallback):
     """Stops training (after a checkpoint) once `minutes` have passed, and on SIGINT/SIGTERM; always saves the last
-    step."""
+    step. With several processes all stop at the same step (`any_process`), whichever got the signal or reached the
+    deadline first."""
 
     def __init__(self, minutes: float | None):
         self.deadline = time.monotonic() + minutes * 60 if minutes else None
@@ -234,7 +246,8 @@ class TimeLimit(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.max_steps and state.global_step >= state.max_steps:
             control.should_save = True  # the last step is always a checkpoint (for averaging and resuming)
-        if self.interrupted or (self.deadline and time.monotonic() > self.deadline):
+        # all processes stop at the same step, whichever got the signal or saw the clock first: one alone would hang
+        if any_process(self.interrupted or bool(self.deadline and time.monotonic() > self.deadline), args.device):
             if not self.interrupted:
                 logger.info("Time limit reached at step %d: saving and stopping.", state.global_step)
             control.should_save = True
@@ -246,8 +259,8 @@ class SaveEvery(TrainerCallback):
     """A checkpoint every `minutes` of training (--save_every_minutes; §6.1: the paper's were written at 10-minute
     intervals), besides those of --save_steps; the interval restarts at every save. `clock`: seconds, monotonic.
 
-    Each process reads its own clock; with several, the step is agreed by an all-reduce (MAX) each step, so that all
-    save together (a save gathers FSDP shards: one process alone would hang)."""
+    Each process reads its own clock; with several, the step is agreed each step (`any_process`), so that all save
+    together (a save gathers FSDP shards: one process alone would hang)."""
 
     def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic):
         self.seconds, self.clock = minutes * 60, clock
@@ -260,13 +273,7 @@ class SaveEvery(TrainerCallback):
         self.last = self.clock()
 
     def on_step_end(self, args, state, control, **kwargs):
-        due = self.clock() - self.last >= self.seconds
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            flag = torch.tensor(float(due), device=args.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            due = bool(flag.item())
-        if due:
+        if any_process(self.clock() - self.last >= self.seconds, args.device):
             control.should_save = True
         return control
 
