@@ -23,7 +23,8 @@ class DataArguments:
     validation_file: str | None = field(default=None, metadata={"help": "Validation data, as --train_file."})
     test_file: str | None = field(default=None, metadata={"help": "Test data, as --train_file."})
     dataset_name: str | None = field(default=None, metadata={
-        "help": "A Hub dataset name (needs the network), e.g. wmt14 with --dataset_config_name de-en."})
+        "help": "A Hub dataset name (needs the network), e.g. wmt14 with --dataset_config_name de-en, or a local "
+                "folder in the Hub's layout (train.jsonl, validation.jsonl, test.jsonl of {\"translation\": {...}})."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Config of --dataset_name."})
     empty_lines: str = field(default="skip", metadata={
         "help": "Pairs with an empty side: skip (counted and reported), error, or keep."})

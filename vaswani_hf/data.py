@@ -13,6 +13,10 @@ sequence length. Each training batch contained a set of sentence pairs containin
 tokens and 25000 target tokens") in the form fairseq implements it (`--max-tokens`): see
 `TokenBudgetBatchSampler`.
 
+At scale (docs/data.md): local files stream into memory-mapped Arrow files cached by their content, lengths come from
+the Arrow offsets, batches are packed with numpy and padded from Arrow (`PaddedBatches`), and
+`StreamingTokenBudgetBatches` batches a stream larger than memory a pool at a time.
+
 Bad input raises `DataError` (`vaswani_hf.checks.CheckError`, a `ValueError`) whose message names the
 file, line or field and says how to fix it.
 """
