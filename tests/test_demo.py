@@ -289,3 +289,12 @@ def test_export_space_runs_from_the_folder_alone(model_folder, tmp_path):
     result = printed_result(completed)
     assert result["vaswani_hf"] == [] and result["model_module"].startswith("transformers_modules.")
     assert result["text"] == (tmp_path / "out.en").read_text(encoding="utf-8").strip() and result["served"] == 200
+
+
+def test_the_command_refuses_a_missing_folder_and_a_bad_concurrency(tmp_path, model_folder):
+    from vaswani_training.demo import main
+
+    with pytest.raises(SystemExit, match="not a saved model folder"):
+        main(["--model", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="--concurrency must be >= 1, got 0"):
+        main(["--model", str(model_folder), "--concurrency", "0"])

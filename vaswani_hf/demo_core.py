@@ -276,15 +276,18 @@ def draw_head(maps: AttentionMaps, kind: str, head: int):
     return _image(lambda path: save_figure(figure, path, dpi=PAGE_DPI))
 
 
-def draw_positional_encoding(model, tokens: list[str], curves: tuple[int, ...] = (4, 5, 6, 7)):
+def draw_positional_encoding(model, tokens: list[str], curves: tuple[int, ...] | None = None):
     """The positional encoding the encoder adds to each of `tokens` (§3.5; learned positions for a model with
     `position_embedding_type="learned"`): a heatmap of positions x dimensions and the curves of a few dimensions
-    (`curves`, as commonly drawn for the sinusoids), as a PIL image."""
+    (`curves`; default the sines of dimensions 0, d/32, d/16 and d/8, whose wavelengths grow geometrically), as a PIL
+    image."""
     positions = model.get_encoder().embed_positions
     if hasattr(positions, "reserve"):
         positions.reserve(len(tokens))
     with torch.no_grad():
         table = positions(torch.arange(len(tokens), device=positions.weight.device)).float().cpu().numpy()
+    d_model = table.shape[1]
+    curves = curves if curves is not None else sorted({2 * (d_model // (2 * n)) for n in (32, 16, 8)} | {0})
     figure = new_figure(figsize=(9.0, max(3.0, 0.18 * len(tokens) + 1.5)), layout="constrained")
     heat, lines = figure.subplots(1, 2, width_ratios=[3, 2])
     image = heat.imshow(table, cmap="RdBu_r", vmin=-1.0, vmax=1.0, aspect="auto", interpolation="nearest")
