@@ -37,8 +37,6 @@ except ImportError:  # a Space folder written by `vaswani-export --space`: the s
 CheckError = core.CheckError
 logger = logging.getLogger("vaswani_hf.demo")
 
-KIND_LABELS = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",
-               "cross": "encoder-decoder attention"}
 EXAMPLE_SOURCES = {"de": "Zwei junge Männer spielen auf einer Wiese Fußball, während ein Hund ihnen zusieht.",
                    "en": "Two young men are playing soccer in a field while a dog watches them."}
 
@@ -179,9 +177,9 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
         with gr.Row():
             layer = gr.Slider(1, page.num_layers, value=page.num_layers, step=1, label="Layer", elem_id="layer")
             head = gr.Slider(1, page.num_heads, value=1, step=1, label="Head (enlarged)", elem_id="head")
-            kind = gr.Radio([(label, k) for k, label in KIND_LABELS.items()], value="cross",
+            kind = gr.Radio([(label, k) for k, label in core.KIND_TITLES.items()], value="cross",
                             label="Enlarged attention", elem_id="kind")
-        images = [gr.Image(label=f"{KIND_LABELS[k]}: all heads, left to right (rows: queries, columns: keys)",
+        images = [gr.Image(label=f"{core.KIND_TITLES[k]}: all heads, left to right (rows: queries, columns: keys)",
                            type="pil", format="png", elem_id=f"heads_{k}", interactive=False)
                   for k in core.ATTENTION_KINDS]
         enlarged = gr.Image(label="one head, enlarged", type="pil", format="png", elem_id="head_enlarged",

@@ -27,10 +27,11 @@ MAX_CHARACTERS = 10_000  # the page states it; longer text is refused before it 
 MAX_SOURCE_TOKENS = 200  # bounds one request's decoding time (a paper sentence has ~30 subwords)
 MAX_BEAMS = 12
 PAGE_DPI = 72  # pictures for a screen, small and quick to draw
+KIND_TITLES = _TITLES  # "encoder" -> "encoder self-attention", ..., as `visualization` titles its figures
 
-__all__ = ["ATTENTION_KINDS", "MAX_BEAMS", "MAX_CHARACTERS", "MAX_SOURCE_TOKENS", "Hypothesis", "Translation",
-           "check_request", "draw_head", "draw_heads", "draw_positional_encoding", "hypothesis_attention",
-           "output_tokens", "source_highlight", "translate_nbest", "unknown_characters"]
+__all__ = ["ATTENTION_KINDS", "KIND_TITLES", "MAX_BEAMS", "MAX_CHARACTERS", "MAX_SOURCE_TOKENS", "Hypothesis",
+           "Translation", "check_request", "draw_head", "draw_heads", "draw_positional_encoding",
+           "hypothesis_attention", "output_tokens", "source_highlight", "translate_nbest", "unknown_characters"]
 
 
 @dataclass
@@ -271,7 +272,7 @@ def draw_head(maps: AttentionMaps, kind: str, head: int):
     ax.set_yticks(range(len(rows)), rows, fontsize=9)
     ax.set_xlabel("keys")
     ax.set_ylabel("queries")
-    ax.set_title(f"{_TITLES[kind]}, layer {maps.layer + 1}, head {head + 1}", fontsize=11)
+    ax.set_title(f"{KIND_TITLES[kind]}, layer {maps.layer + 1}, head {head + 1}", fontsize=11)
     figure.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
     return _image(lambda path: save_figure(figure, path, dpi=PAGE_DPI))
 
