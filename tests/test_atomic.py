@@ -129,6 +129,8 @@ CHECKED_WRITES = {
     ("vaswani_hf/averaging.py", "_write_model_folder", "write_text"): "through replace_file_atomically, as above",
     ("vaswani_hf/export_ct2.py", "export_ct2", "save"): "into a staging folder, then os.replace",
     ("vaswani_hf/visualization.py", "save_figure", "savefig"): "through replace_file_atomically",
+    ("training/synthetic.py", "_write_jsonl", "open"): "into replace_file_atomically's temporary file",
+    ("training/synthetic.py", "_write_text", "open"): "into two nested replace_file_atomically temporary files",
     # The final model folder of a training run is written by transformers (save_model / save_pretrained), file by
     # file. A kill during that save can leave a truncated model.safetensors: from_pretrained and the commands then
     # refuse it with a clear error (tests/test_loading.py), and the checkpoint-<step> folders still hold the run.
