@@ -198,13 +198,13 @@ class PaperTrainer(Seq2SeqTrainer):
         return self.accelerator.prepare(loader)
 
 
-def any_process(flag: bool, device) -> bool:
-    """True when `flag` is true in any process of the run (an all-reduce MAX where there are several; a collective:
-    every process must call it at the same point)."""
+def any_process(flag: bool, args) -> bool:
+    """True when `flag` is true in any process of the run (an all-reduce MAX on `args.device` where there are several;
+    a collective: every process must call it at the same point)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1):
         return flag
-    value = torch.tensor(float(flag), device=device)
+    value = torch.tensor(float(flag), device=args.device)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
     return bool(value.item())
 
@@ -247,7 +247,7 @@ class TimeLimit(TrainerCallback):
         if state.max_steps and state.global_step >= state.max_steps:
             control.should_save = True  # the last step is always a checkpoint (for averaging and resuming)
         # all processes stop at the same step, whichever got the signal or saw the clock first: one alone would hang
-        if any_process(self.interrupted or bool(self.deadline and time.monotonic() > self.deadline), args.device):
+        if any_process(self.interrupted or bool(self.deadline and time.monotonic() > self.deadline), args):
             if not self.interrupted:
                 logger.info("Time limit reached at step %d: saving and stopping.", state.global_step)
             control.should_save = True
@@ -273,7 +273,7 @@ class SaveEvery(TrainerCallback):
         self.last = self.clock()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if any_process(self.clock() - self.last >= self.seconds, args.device):
+        if any_process(self.clock() - self.last >= self.seconds, args):
             control.should_save = True
         return control
 
