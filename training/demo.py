@@ -64,8 +64,8 @@ def _hypothesis_label(rank: int, hypothesis) -> str:
 class DemoPage:
     """What the page's events compute, as plain methods (tested without a browser); each returns the new values of
     its event's outputs, in order, and never raises: bad input becomes a message in the page (`status`) and a
-    `gr.Warning`. The session's state is a dict: the `Translation`, the chosen hypothesis `index` and its `maps`
-    (`demo_core.hypothesis_attention`)."""
+    `gr.Warning`. Each browser tab's state (`gr.State`) is a dict: the `Translation`, the chosen hypothesis `index`
+    and its `maps` (`demo_core.hypothesis_attention`)."""
 
     def __init__(self, model, tokenizer):
         import gradio as gr
