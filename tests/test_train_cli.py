@@ -625,3 +625,25 @@ def test_streaming_is_refused_without_max_steps_and_by_the_no_trainer_loop(tmp_p
     with pytest.raises(ValueError, match="--streaming is a flag of vaswani-train"):
         no_trainer(["--preset", "tiny", "--train_file", prefix, "--streaming", "--max_steps", "2", "--output_dir",
                     str(tmp_path / "out2"), "--cache_dir", str(tmp_path / "cache")])
+
+
+def test_drop_long_pairs_leaves_out_what_truncation_would_cut(tmp_path):
+    """--drop_long_pairs: training pairs over the length limits are left out, not truncated; validation and test are
+    truncated as always."""
+    from vaswani_training.arguments import DataArguments, ModelArguments
+    from vaswani_training.prepare import prepare_data
+
+    german = ["ein Hund", "ein sehr sehr sehr sehr sehr sehr sehr sehr sehr sehr langer Satz", "eine Katze"]
+    english = ["a dog", "a short one", "a cat"]
+    prefixes = {split: write_parallel(tmp_path / split, german, english) for split in ("train", "val", "test")}
+    data = {"train_file": prefixes["train"], "validation_file": prefixes["val"], "test_file": prefixes["test"],
+            "max_source_length": 8, "max_target_length": 8}
+    model_args = ModelArguments(cache_dir=str(tmp_path / "cache"), vocab_size=300)
+    _, _, truncated = prepare_data(model_args, DataArguments(**data), {"vocab_size": 300})
+    _, _, dropped = prepare_data(model_args, DataArguments(**data, drop_long_pairs=True), {"vocab_size": 300})
+    assert [len(ids) for ids in truncated["train"]["input_ids"]][1] == 8  # cut to the limit
+    assert dropped["train"]["input_ids"] == [truncated["train"]["input_ids"][0], truncated["train"]["input_ids"][2]]
+    assert dropped["validation"]["input_ids"] == truncated["validation"]["input_ids"]  # still truncated, all kept
+    with pytest.raises(ValueError, match="No training pair fits"):
+        prepare_data(model_args, DataArguments(**{**data, "max_source_length": 1}, drop_long_pairs=True),
+                     {"vocab_size": 300})

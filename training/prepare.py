@@ -67,19 +67,12 @@ def _evaluation_splits(data_args: DataArguments):
         return load_multi30k(data_args.source_lang, data_args.target_lang, splits=("validation", "test"),
                              empty_lines=data_args.empty_lines)
     if data_args.dataset_name:
-        splits = {}
-        for split in ("validation", "test"):
-            try:
-                loaded = load_parallel_dataset(hub_dataset=data_args.dataset_name,
-                                               hub_config=data_args.dataset_config_name,
-                                               source_lang=data_args.source_lang, target_lang=data_args.target_lang,
-                                               empty_lines=data_args.empty_lines, hub_kwargs={"split": split})
-            except ValueError as error:  # datasets: 'Unknown split "test". Should be one of [...]'
-                if "split" not in str(error).lower() or isinstance(error, CheckError):
-                    raise
-                continue
-            splits[split] = loaded["train"]
-        return datasets.DatasetDict(splits)
+        present = datasets.get_dataset_split_names(data_args.dataset_name, data_args.dataset_config_name)
+        return datasets.DatasetDict({
+            split: load_parallel_dataset(hub_dataset=data_args.dataset_name, hub_config=data_args.dataset_config_name,
+                                         source_lang=data_args.source_lang, target_lang=data_args.target_lang,
+                                         empty_lines=data_args.empty_lines, hub_kwargs={"split": split})["train"]
+            for split in ("validation", "test") if split in present})
     files = {"validation": data_args.validation_file, "test": data_args.test_file}
     return datasets.DatasetDict({split: load_parallel_dataset(source, data_args.source_lang, data_args.target_lang,
                                                               empty_lines=data_args.empty_lines)
@@ -135,30 +128,33 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, preset: d
         `(raw, tokenizer, tokenized)`: the `DatasetDict` of `{"translation": ...}` records, the tokenizer, and the
         `DatasetDict` of `input_ids` / `attention_mask` / `labels`.
     """
+    import datasets
+
     raw = load_raw_datasets(data_args)
     if data_args.streaming:
         train = training_stream(data_args)
     else:
         train = raw["train"] = select(raw["train"], data_args.max_train_samples)
     tokenizer = get_tokenizer(model_args, train, data_args, model_args.vocab_size or preset["vocab_size"])
-    tokenized = tokenize_dataset(raw, tokenizer, data_args.source_lang, data_args.target_lang,
-                                 max_length=data_args.max_source_length,
-                                 max_target_length=data_args.max_target_length, keep_translation=False,
-                                 num_proc=data_args.preprocessing_num_workers)
-    if data_args.drop_long_pairs and not data_args.streaming:  # a stream leaves long pairs out anyway
-        tokenized["train"] = drop_long_pairs(raw["train"], tokenizer, tokenized["train"], data_args)
+    truncated = {"max_length": data_args.max_source_length, "max_target_length": data_args.max_target_length}
+    dropping = data_args.drop_long_pairs and "train" in raw  # a stream leaves long pairs out itself
+    tokenized = datasets.DatasetDict({
+        split: tokenize_dataset(dataset, tokenizer, data_args.source_lang, data_args.target_lang,
+                                **({} if dropping and split == "train" else truncated),
+                                num_proc=data_args.preprocessing_num_workers)
+        for split, dataset in raw.items()})
+    if dropping:
+        tokenized["train"] = drop_long_pairs(tokenized["train"], data_args)
     return raw, tokenizer, tokenized
 
 
-def drop_long_pairs(raw_train, tokenizer, tokenized_train, data_args: DataArguments):
-    """The training pairs whose source and target both fit --max_source_length / --max_target_length, found on the
-    untruncated lengths with numpy; the others are counted and left out.
+def drop_long_pairs(full, data_args: DataArguments):
+    """The pairs of `full` (tokenized, not truncated) whose source and target both fit --max_source_length /
+    --max_target_length, found on their lengths with numpy; the others are counted and left out.
 
     Raises:
         CheckError: no training pair fits.
     """
-    full = tokenize_dataset(raw_train, tokenizer, data_args.source_lang, data_args.target_lang,
-                            num_proc=data_args.preprocessing_num_workers)
     src_lengths, tgt_lengths = example_lengths(full)
     keep = np.nonzero((src_lengths <= data_args.max_source_length) & (tgt_lengths <= data_args.max_target_length))[0]
     if len(keep) == 0:
@@ -168,8 +164,8 @@ def drop_long_pairs(raw_train, tokenizer, tokenized_train, data_args: DataArgume
     if dropped:
         logger.info("Left out %d of %d training pairs longer than %d/%d tokens (--drop_long_pairs)", dropped,
                     len(full), data_args.max_source_length, data_args.max_target_length)
-        return tokenized_train.select(keep)
-    return tokenized_train
+        return full.select(keep)
+    return full
 
 
 def is_multi30k(data_args: DataArguments) -> bool:
