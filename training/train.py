@@ -182,15 +182,14 @@ class PaperTrainer(Seq2SeqTrainer):
         return self.lr_scheduler
 
     def get_train_dataloader(self) -> DataLoader:
+        # Pinned memory speeds up copies to an accelerator only; on a CPU torch warns that it is unused.
+        pin_memory = self.args.dataloader_pin_memory and self.args.device.type != "cpu"
         if isinstance(self.train_dataset, StreamingTokenBudgetBatches):
             # batches already cut and dealt to this process by the stream itself: not sharded again by accelerate
             return DataLoader(self.train_dataset, batch_size=None, collate_fn=self.data_collator,
-                              num_workers=self.args.dataloader_num_workers,
-                              pin_memory=self.args.dataloader_pin_memory and self.args.device.type != "cpu")
+                              num_workers=self.args.dataloader_num_workers, pin_memory=pin_memory)
         sampler = token_budget_sampler(self.train_dataset, self.max_tokens, shuffle=True, seed=self.args.seed,
                                        num_processes=self.accelerator.num_processes)
-        # Pinned memory speeds up copies to an accelerator only; on a CPU torch warns that it is unused.
-        pin_memory = self.args.dataloader_pin_memory and self.args.device.type != "cpu"
         # the rows the collator would pad, padded from Arrow with numpy: the same tensors, 7x faster
         batches = PaddedBatches(self.train_dataset, self.model.config.pad_token_id)
         loader = DataLoader(batches, batch_sampler=sampler, collate_fn=batches.collate,

@@ -311,8 +311,8 @@ def read_parallel_text(
     """
     counts = _new_counts()
     pairs = list(iter_parallel_text(prefix, source_lang, target_lang, empty_lines=empty_lines, counts=counts))
-    src_path, tgt_path = _lang_file(Path(prefix), source_lang), _lang_file(Path(prefix), target_lang)
-    return _collected(pairs, counts, source_lang, target_lang, f"{src_path} + {tgt_path}")
+    origin = " + ".join(map(str, parallel_files(prefix, source_lang, target_lang)))
+    return _collected(pairs, counts, source_lang, target_lang, origin)
 
 
 def _collected(pairs, counts, source_lang, target_lang, origin) -> ParallelText:
