@@ -17,8 +17,8 @@ from helpers import ENGLISH, ROOT, train_cli, write, write_parallel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vaswani_hf.checks import CheckError
 from vaswani_hf.data import (
-    DataError,
     TokenBudgetBatchSampler,
     example_lengths,
     load_multi30k,
@@ -56,7 +56,7 @@ def test_multi30k_dir_is_shipped_copy():
 
 def test_multi30k_dir_env_override_missing(monkeypatch, tmp_path):
     monkeypatch.setenv("VASWANI_MULTI30K_DIR", str(tmp_path / "nope"))
-    with pytest.raises(DataError, match="VASWANI_MULTI30K_DIR"):
+    with pytest.raises(CheckError, match="VASWANI_MULTI30K_DIR"):
         multi30k_dir()
 
 
@@ -72,7 +72,7 @@ def test_load_multi30k_default_de_en():
 
 
 def test_load_multi30k_bad_language():
-    with pytest.raises(DataError, match="'de' and 'en'"):
+    with pytest.raises(CheckError, match="'de' and 'en'"):
         load_multi30k("fr", "en")
 
 
@@ -91,7 +91,7 @@ def test_parallel_text_plain_and_gz(tmp_path):
 def test_mismatched_line_counts_names_both_files_and_counts(tmp_path):
     write(tmp_path / "p.de", "1\n2\n3\n")
     write(tmp_path / "p.en", "1\n2\n")
-    with pytest.raises(DataError) as e:
+    with pytest.raises(CheckError) as e:
         read_parallel_text(tmp_path / "p", "de", "en")
     msg = str(e.value)
     assert str(tmp_path / "p.de") in msg and str(tmp_path / "p.en") in msg
@@ -101,33 +101,33 @@ def test_mismatched_line_counts_names_both_files_and_counts(tmp_path):
 def test_unknown_language_lists_present_codes(tmp_path):
     write(tmp_path / "p.de", "a\n")
     write(tmp_path / "p.en.gz", "b\n", gz=True)
-    with pytest.raises(DataError, match=r"'fr'.*present for this prefix: de, en"):
+    with pytest.raises(CheckError, match=r"'fr'.*present for this prefix: de, en"):
         read_parallel_text(tmp_path / "p", "fr", "en")
 
 
 def test_missing_prefix(tmp_path):
-    with pytest.raises(DataError, match="no file .* exists at all"):
+    with pytest.raises(CheckError, match="no file .* exists at all"):
         load_parallel_dataset(tmp_path / "nothing", "de", "en")
 
 
 def test_empty_file(tmp_path):
     write(tmp_path / "p.de", "")
     write(tmp_path / "p.en", "a\n")
-    with pytest.raises(DataError, match=r"p\.de: file is empty"):
+    with pytest.raises(CheckError, match=r"p\.de: file is empty"):
         read_parallel_text(tmp_path / "p", "de", "en")
 
 
 def test_non_utf8_names_file_and_line(tmp_path):
     write(tmp_path / "p.de", b"eins\nzwei\n" + "drei Bäume\n".encode("latin-1"))
     write(tmp_path / "p.en", "one\ntwo\nthree\n")
-    with pytest.raises(DataError) as e:
+    with pytest.raises(CheckError) as e:
         read_parallel_text(tmp_path / "p", "de", "en")
     assert f"{tmp_path / 'p.de'}:3:" in str(e.value) and "UTF-8" in str(e.value)
 
 
 def test_bad_gzip(tmp_path):
     write(tmp_path / "p.de.gz", "not gzip\n")
-    with pytest.raises(DataError, match="cannot read"):
+    with pytest.raises(CheckError, match="cannot read"):
         read_lines(tmp_path / "p.de.gz")
 
 
@@ -135,7 +135,7 @@ def test_plain_and_gz_both_present_is_ambiguous(tmp_path):
     write(tmp_path / "p.de", "a\n")
     write(tmp_path / "p.de.gz", "a\n", gz=True)
     write(tmp_path / "p.en", "b\n")
-    with pytest.raises(DataError, match="remove one"):
+    with pytest.raises(CheckError, match="remove one"):
         read_parallel_text(tmp_path / "p", "de", "en")
 
 
@@ -151,9 +151,9 @@ def test_empty_lines_skip_counts_and_logs(tmp_path, caplog):
 def test_empty_lines_error_names_file_and_line(tmp_path):
     write(tmp_path / "p.de", "a\nb\nc\n")
     write(tmp_path / "p.en", "A\nB\n\n")
-    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'p.en'}:3: empty sentence")):
+    with pytest.raises(CheckError, match=re.escape(f"{tmp_path / 'p.en'}:3: empty sentence")):
         read_parallel_text(tmp_path / "p", "de", "en", empty_lines="error")
-    with pytest.raises(DataError, match="empty_lines="):
+    with pytest.raises(CheckError, match="empty_lines="):
         read_parallel_text(tmp_path / "p", "de", "en", empty_lines="drop")
 
 
@@ -191,23 +191,23 @@ def test_jsonl_and_mixed_splits(tmp_path):
 def test_jsonl_errors(tmp_path):
     p = write(tmp_path / "t.jsonl.gz",
               '{"translation": {"de": "a", "en": "A"}}\n{"translation": {"de": "b", "cs": "B"}}\n', gz=True)
-    with pytest.raises(DataError, match=r"t\.jsonl\.gz:2: language 'en' .* codes present: cs, de"):
+    with pytest.raises(CheckError, match=r"t\.jsonl\.gz:2: language 'en' .* codes present: cs, de"):
         read_parallel_jsonl(p, "de", "en")
     p = write(tmp_path / "bad.jsonl", '{"translation": {"de": "a", "en": "A"}}\n{"translation": \n')
-    with pytest.raises(DataError, match=r"bad\.jsonl:2: invalid JSON"):
+    with pytest.raises(CheckError, match=r"bad\.jsonl:2: invalid JSON"):
         read_parallel_jsonl(p, "de", "en")
     p = write(tmp_path / "nt.jsonl", '{"de": "a", "en": "A"}\n')
-    with pytest.raises(DataError, match=r"nt\.jsonl:1: expected an object with a 'translation'"):
+    with pytest.raises(CheckError, match=r"nt\.jsonl:1: expected an object with a 'translation'"):
         read_parallel_jsonl(p, "de", "en")
     p = write(tmp_path / "e.jsonl",
               '{"translation": {"de": "a", "en": "A"}}\n\n{"translation": {"de": "", "en": "B"}}\n')
-    with pytest.raises(DataError, match=r"e\.jsonl:3 \(translation\['de'\]\): empty sentence"):
+    with pytest.raises(CheckError, match=r"e\.jsonl:3 \(translation\['de'\]\): empty sentence"):
         read_parallel_jsonl(p, "de", "en", empty_lines="error")
     assert read_parallel_jsonl(p, "de", "en").skipped == 1
 
 
 def test_sources_xor_hub():
-    with pytest.raises(DataError, match="exactly one"):
+    with pytest.raises(CheckError, match="exactly one"):
         load_parallel_dataset(None)
 
 
@@ -244,9 +244,9 @@ def test_tokenize_dataset_and_lengths(tmp_path, tiny_tokenizer):
     assert src.tolist() == [4, 5, 2] and tgt.tolist() == [3, 2, 5]
     tok2 = tokenize_dataset(dsd["train"], tiny_tokenizer, "de", "en", max_length=None, keep_translation=True)
     assert len(tok2[1]["input_ids"]) == 8 and "translation" in tok2.column_names
-    with pytest.raises(DataError, match="codes present: de, en"):
+    with pytest.raises(CheckError, match="codes present: de, en"):
         tokenize_dataset(dsd, tiny_tokenizer, "de", "fr")
-    with pytest.raises(DataError, match="tokenize first"):
+    with pytest.raises(CheckError, match="tokenize first"):
         example_lengths(dsd["train"])
 
 
@@ -328,14 +328,14 @@ def test_sampler_splits_the_largest_batches_for_equal_counts():
     # one example cannot be split: the batches of 1 are repeated for the other ranks, as before
     one = [list(TokenBudgetBatchSampler([3], None, max_tokens=8, num_replicas=3, rank=r)) for r in range(3)]
     assert one == [[[0]], [[0]], [[0]]]
-    with pytest.raises(DataError, match="num_batches_multiple"):
+    with pytest.raises(CheckError, match="num_batches_multiple"):
         TokenBudgetBatchSampler([1], num_batches_multiple=0)
 
 
 def test_sampler_oversize_error_and_skip():
     src = [3, 10, 4, 2]
     tgt = [3, 2, 12, 2]
-    with pytest.raises(DataError) as e:
+    with pytest.raises(CheckError) as e:
         TokenBudgetBatchSampler(src, tgt, max_tokens=8)
     assert "2 example(s) longer than max_tokens=8" in str(e.value) and "#2 (12 tokens)" in str(e.value)
     assert "at least 12" in str(e.value)
@@ -346,13 +346,13 @@ def test_sampler_oversize_error_and_skip():
 def test_sampler_max_sentences_and_validation():
     s = TokenBudgetBatchSampler([1] * 10, None, max_tokens=100, max_sentences=3, shuffle=False)
     assert [len(b) for b in s] == [3, 3, 3, 1]
-    with pytest.raises(DataError, match="10 entries but tgt_lengths has 9"):
+    with pytest.raises(CheckError, match="10 entries but tgt_lengths has 9"):
         TokenBudgetBatchSampler([1] * 10, [1] * 9)
-    with pytest.raises(DataError, match="max_tokens must be a positive int"):
+    with pytest.raises(CheckError, match="max_tokens must be a positive int"):
         TokenBudgetBatchSampler([1], max_tokens=0)
-    with pytest.raises(DataError, match="rank must be in"):
+    with pytest.raises(CheckError, match="rank must be in"):
         TokenBudgetBatchSampler([1], num_replicas=2, rank=2)
-    with pytest.raises(DataError, match=r"src_lengths\[1\] = -1"):
+    with pytest.raises(CheckError, match=r"src_lengths\[1\] = -1"):
         TokenBudgetBatchSampler([1, -1])
 
 
@@ -409,10 +409,10 @@ def test_hub_path_with_packaged_json_builder(tmp_path):
     dsd = load_parallel_dataset(hub_dataset="json", hub_kwargs={"data_files": {"train": str(p)},
                                                                 "cache_dir": str(tmp_path / "cache")})
     assert len(dsd["train"]) == 1 and dsd["train"][0]["translation"] == {"de": "a", "en": "A"}
-    with pytest.raises(DataError, match=r"split 'train' row 1 \(de\): empty sentence"):
+    with pytest.raises(CheckError, match=r"split 'train' row 1 \(de\): empty sentence"):
         load_parallel_dataset(hub_dataset="json", empty_lines="error",
                               hub_kwargs={"data_files": {"train": str(p)}, "cache_dir": str(tmp_path / "cache")})
-    with pytest.raises(DataError, match="codes present: de, en"):
+    with pytest.raises(CheckError, match="codes present: de, en"):
         load_parallel_dataset(hub_dataset="json", source_lang="fr",
                               hub_kwargs={"data_files": {"train": str(p)}, "cache_dir": str(tmp_path / "cache")})
 
@@ -427,7 +427,7 @@ def train_on(tmp_path, *args):
 
 def test_train_cli_mismatched_line_counts_names_both_files(tmp_path):
     prefix = write_parallel(tmp_path / "data", english=ENGLISH[:-1])
-    with pytest.raises(DataError) as error:
+    with pytest.raises(CheckError) as error:
         train_on(tmp_path, "--train_file", prefix)
     message = str(error.value)
     assert f"{prefix}.de has 20 lines but {prefix}.en has 19 lines" in message
@@ -435,13 +435,13 @@ def test_train_cli_mismatched_line_counts_names_both_files(tmp_path):
 
 
 def test_train_cli_missing_and_empty_files(tmp_path):
-    with pytest.raises(DataError, match=r"no file for language 'de' at prefix .*nothing.* Check the prefix"):
+    with pytest.raises(CheckError, match=r"no file for language 'de' at prefix .*nothing.* Check the prefix"):
         train_on(tmp_path, "--train_file", str(tmp_path / "nothing"))
     prefix = write_parallel(tmp_path / "data")
     write(tmp_path / "data" / "p.en", "")
-    with pytest.raises(DataError, match=re.escape(f"{prefix}.en: file is empty (0 lines)")):
+    with pytest.raises(CheckError, match=re.escape(f"{prefix}.en: file is empty (0 lines)")):
         train_on(tmp_path, "--train_file", prefix)
-    with pytest.raises(DataError, match="without --train_file"):
+    with pytest.raises(CheckError, match="without --train_file"):
         train_on(tmp_path, "--test_file", prefix)
 
 
@@ -450,7 +450,7 @@ def test_train_cli_non_utf8_names_file_and_line(tmp_path):
     lines = (tmp_path / "data" / "p.de").read_bytes().split(b"\n")
     lines[6] = "Ein älterer Mann".encode("latin-1")
     write(tmp_path / "data" / "p.de", b"\n".join(lines))
-    with pytest.raises(DataError, match=re.escape(f"{prefix}.de:7: not valid UTF-8 (byte b'\\xe4'") + ".*iconv"):
+    with pytest.raises(CheckError, match=re.escape(f"{prefix}.de:7: not valid UTF-8 (byte b'\\xe4'") + ".*iconv"):
         train_on(tmp_path, "--train_file", prefix)
 
 
@@ -458,30 +458,30 @@ def test_train_cli_empty_lines_error_names_the_line_and_a_bad_policy_is_refused(
     english = list(ENGLISH)
     english[4] = "   "
     prefix = write_parallel(tmp_path / "data", english=english)
-    with pytest.raises(DataError, match=re.escape(f"{prefix}.en:5: empty sentence") + ".*empty_lines='skip'"):
+    with pytest.raises(CheckError, match=re.escape(f"{prefix}.en:5: empty sentence") + ".*empty_lines='skip'"):
         train_on(tmp_path, "--train_file", prefix, "--empty_lines", "error")
-    with pytest.raises(DataError, match=r"empty_lines='drop' is not one of \('skip', 'error', 'keep'\)"):
+    with pytest.raises(CheckError, match=r"empty_lines='drop' is not one of \('skip', 'error', 'keep'\)"):
         train_on(tmp_path, "--train_file", prefix, "--empty_lines", "drop")
 
 
 def test_train_cli_unknown_language_codes(tmp_path):
-    with pytest.raises(DataError, match="Multi30k task 1 has languages 'de' and 'en', not 'fr'"):
+    with pytest.raises(CheckError, match="Multi30k task 1 has languages 'de' and 'en', not 'fr'"):
         train_on(tmp_path, "--source_lang", "fr")
     prefix = write_parallel(tmp_path / "data")
-    with pytest.raises(DataError, match=r"no file for language 'cs' .*Languages present for this prefix: de, en"):
+    with pytest.raises(CheckError, match=r"no file for language 'cs' .*Languages present for this prefix: de, en"):
         train_on(tmp_path, "--train_file", prefix, "--target_lang", "cs")
-    with pytest.raises(DataError, match="source_lang and target_lang are both 'de'"):
+    with pytest.raises(CheckError, match="source_lang and target_lang are both 'de'"):
         train_on(tmp_path, "--train_file", prefix, "--target_lang", "de")
 
 
 def test_train_cli_zero_samples_is_refused_not_read_as_all(tmp_path):
     prefix = write_parallel(tmp_path / "data")
     for flag in ("--max_train_samples", "--max_test_samples", "--max_tokens", "--max_source_length"):
-        with pytest.raises(DataError, match=f"{flag} must be >= 1 \\(leave the flag out for the default\\), got 0"):
+        with pytest.raises(CheckError, match=f"{flag} must be >= 1 \\(leave the flag out for the default\\), got 0"):
             train_on(tmp_path, "--train_file", prefix, "--test_file", prefix, flag, "0")
     from vaswani_training.prepare import select
 
-    with pytest.raises(DataError, match=r"take a number of examples >= 1 .*got 0"):  # the library function too
+    with pytest.raises(CheckError, match=r"take a number of examples >= 1 .*got 0"):  # the library function too
         select(list(range(3)), 0)
 
 
@@ -538,7 +538,7 @@ def test_streaming_batches_cover_the_stream_once_with_equal_counts_per_rank(tmp_
     assert sorted(" ".join(map(str, ids)) for ids in expected) == sorted(k[0] for k in seen.elements())
     ranks[0].set_epoch(1)
     assert list(ranks[0]) != batches[0]  # a new order each epoch
-    with pytest.raises(DataError, match="callable"):
+    with pytest.raises(CheckError, match="callable"):
         StreamingTokenBudgetBatches(german, tiny_tokenizer, max_tokens=64)
 
 
@@ -595,5 +595,5 @@ def test_padded_batches_are_the_collators_tensors(tmp_path):
     assert (ours[0]["labels"] == -100).any() or (ours[1]["labels"] == -100).any()  # padding happened
     assert torch.equal(batches.collate([batches[3], batches[5]])["input_ids"][1, :len(tokenized[5]["input_ids"])],
                        torch.tensor(tokenized[5]["input_ids"]))
-    with pytest.raises(DataError, match="tokenize first"):
+    with pytest.raises(CheckError, match="tokenize first"):
         PaddedBatches(load_multi30k(splits=("validation",))["validation"], 0)

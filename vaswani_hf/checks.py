@@ -3,7 +3,7 @@ it reads, every output can be written, a training folder has one run at a time, 
 self-consistent) and `CheckError`, the one error type of bad input in the library and the commands.
 
 `CheckError` is a `ValueError`, as transformers raises for bad input; its message names the path or flag at fault,
-what is wrong and what to do. `vaswani_hf.data.DataError` is the same class under the name data code reads best with.
+what is wrong and what to do.
 
 It also holds what the commands need to keep outputs honest: `follow_umask` (files made through `tempfile` or by
 safetensors are 0600, folders 0700; the commands' outputs get the modes `open()` and `mkdir()` give under the user's

@@ -13,7 +13,6 @@ raises `vaswani_hf.checks.CheckError` (a `ValueError`) whose message names the f
 fix it. Every public name is importable from here: `from vaswani_hf.data import load_multi30k`.
 """
 
-from ..checks import CheckError
 from .batching import (
     PaddedBatches,
     StreamingTokenBudgetBatches,
@@ -63,6 +62,3 @@ __all__ = [
     "stream_parallel_pairs",
     "padding_fraction",
 ]
-
-DataError = CheckError
-__all__.append("DataError")
