@@ -3,6 +3,7 @@ and the behaviour transformers' common model tests expect (save/load, tied weigh
 hypothesis property, outputs of the right shape, finite and independent of padding for arbitrary batch sizes, lengths
 and padding contents."""
 
+import contextlib
 import math
 import warnings
 
@@ -29,7 +30,8 @@ import vaswani_hf.configuration_vaswani as configuration_vaswani
 import vaswani_hf.modeling_vaswani as modeling
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
 from vaswani_hf.inference import translate_sentences
-from vaswani_hf.modeling_vaswani import CACHE_NAME, shift_tokens_right, sinusoidal_table
+from vaswani_hf.kernels_vaswani import training_fast_paths
+from vaswani_hf.modeling_vaswani import CACHE_NAME, cross_entropy_loss, shift_tokens_right, sinusoidal_table
 
 ATOL = 1e-5
 
@@ -237,7 +239,7 @@ def test_a_very_long_input_is_refused_before_its_attention_is_allocated(monkeypa
     model = tiny_model()
     assert model.config.max_positions == configuration_vaswani.SINUSOIDAL_MAX_POSITIONS == 16384
     allocated = []
-    monkeypatch.setattr(modeling, "_additive", lambda blocked, dtype: allocated.append(blocked.shape))
+    monkeypatch.setattr(modeling, "additive_mask", lambda blocked, dtype: allocated.append(blocked.shape))
     for source, target in ((50_000, 3), (5, 20_000)):
         with pytest.raises(ValueError, match=rf"Sequence of {max(source, target)} tokens is longer than the 16384 "
                                              r"positions this model attends over.*GiB in fp32.*Split the text"):
@@ -367,7 +369,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_loss_is_mean_token_cross_entropy_over_labelled_positions():
-    model = tiny_model(label_smoothing=0.0)
+    model = tiny_model()
     ids, mask = padded_batch(length=9)
     labels = labels_for(*padded_batch(seed=2, length=7))
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
@@ -386,38 +388,49 @@ def test_loss_is_mean_token_cross_entropy_over_labelled_positions():
 
 @pytest.mark.parametrize("training", [True, False])
 def test_a_batch_without_labels_has_a_finite_zero_loss_that_keeps_the_graph(training):
-    # fairseq's: the sum over no tokens is 0; transformers' mean over none would be 0 / 0 = NaN.
+    # fairseq's: the sum over no tokens is 0; transformers' mean over none would be 0 / 0 = NaN. In training also the
+    # label-smoothed loss of the training commands (training_fast_paths: fused on a CPU).
     model = tiny_model().train(training)
     ids, mask = padded_batch(length=9)
     nothing = torch.full((3, 5), -100)
-    for extra in (dict(), dict(num_items_in_batch=0), dict(num_items_in_batch=torch.tensor(0)),
-                  dict(label_smoothing=0.1)):
-        loss = model(input_ids=ids, attention_mask=mask, labels=nothing, **extra).loss
-        assert loss.item() == 0.0 and loss.requires_grad
-        model.zero_grad()
-        loss.backward()
-        assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    for smoothed in (False, True):
+        for extra in (dict(), dict(num_items_in_batch=0), dict(num_items_in_batch=torch.tensor(0))):
+            with training_fast_paths(model, 0.1) if smoothed else contextlib.nullcontext():
+                loss = model(input_ids=ids, attention_mask=mask, labels=nothing, **extra).loss
+            assert loss.item() == 0.0 and loss.requires_grad
+            model.zero_grad()
+            loss.backward()
+            assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     some = nothing.clone()
     some[1, :2] = torch.tensor([5, 2])
     loss = model(input_ids=ids, attention_mask=mask, labels=some).loss
     assert loss.item() > 1.0  # one labelled row: an ordinary loss
 
 
-def test_loss_is_plain_cross_entropy_unless_label_smoothing_is_passed():
-    # transformers' convention: forward returns plain cross-entropy, whatever config.label_smoothing says; the
-    # training recipe asks for the smoothing of §5.4 explicitly.
-    model = tiny_model()
-    assert model.config.label_smoothing == 0.1
+def test_loss_is_plain_cross_entropy_and_the_training_commands_smooth_it():
+    """transformers' convention: forward returns the plain cross-entropy; the training commands train on the
+    label-smoothed loss of §5.4 (training_fast_paths, in training mode), which is `cross_entropy_loss` with
+    epsilon_ls: (1 - eps) NLL + eps times the cross-entropy against the uniform distribution, per token."""
+    model = tiny_model(dropout=0.0)
     ids, mask = padded_batch(length=9)
     labels = labels_for(*padded_batch(seed=2, length=7))
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     log_probs = out.logits.log_softmax(-1)[labels != -100]  # (N, V)
     nll = -log_probs.gather(-1, labels[labels != -100][:, None]).squeeze(-1)
     torch.testing.assert_close(out.loss, nll.mean())
-    smoothed = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1).loss
     uniform = -log_probs.mean(-1)  # cross-entropy against the uniform distribution
-    torch.testing.assert_close(smoothed, (0.9 * nll + 0.1 * uniform).mean())
+    expected = (0.9 * nll + 0.1 * uniform).mean()
+    torch.testing.assert_close(cross_entropy_loss(out.logits, labels, label_smoothing=0.1), expected)
+    with training_fast_paths(model, 0.1):
+        assert model(input_ids=ids, attention_mask=mask, labels=labels).loss.item() == pytest.approx(
+            out.loss.item(), rel=1e-6)  # eval mode: the plain loss, as eval_loss
+        smoothed = model.train()(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(smoothed, expected, rtol=1e-5, atol=1e-6)
     assert abs(smoothed.item() - out.loss.item()) > 1e-3
+    assert model.train()(input_ids=ids, attention_mask=mask, labels=labels).loss.item() == pytest.approx(
+        out.loss.item(), rel=1e-5)  # outside it, the model is plain again
+    with pytest.raises(ValueError, match="takes no label_smoothing.*label_smoothing_factor"):
+        model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1)
 
 
 def test_loss_is_exact_under_gradient_accumulation():
@@ -445,11 +458,13 @@ def test_loss_is_exact_under_gradient_accumulation():
     assert abs(naive - full_loss.item()) > 1e-3  # what a per-micro-batch mean gets wrong
 
 
-def test_trainer_label_smoothing_factor_matches_the_models_own_loss(tmp_path):
-    model = tiny_model(dropout=0.0, label_smoothing=0.1)
+def test_trainer_label_smoothing_factor_matches_the_recipes_loss(tmp_path):
+    """A plain Trainer's label_smoothing_factor, on the model's logits, gives `cross_entropy_loss`'s smoothed loss."""
+    model = tiny_model(dropout=0.0)
     ids, mask = padded_batch(length=9)
     labels = labels_for(*padded_batch(seed=2, length=7))
-    own = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1).loss
+    logits = model(input_ids=ids, attention_mask=mask, labels=labels).logits
+    own = cross_entropy_loss(logits, labels, label_smoothing=0.1)
     args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, report_to=[], use_cpu=True)
     trainer = Trainer(model=model, args=args)
     assert trainer.label_smoother is not None
@@ -465,11 +480,11 @@ def test_trainer_label_smoothing_factor_matches_the_models_own_loss(tmp_path):
 
 @pytest.mark.parametrize("trainer_kind", ["trainer", "seq2seq", "seq2seq_generate"])
 def test_trainer_takes_only_labels_for_labels_and_evaluates_with_eval_loss_and_label_ids(tmp_path, trainer_kind):
-    """`Trainer` takes every `forward` parameter named like "label" for a label (`find_labels`); label smoothing is a
-    keyword of `**kwargs`, so a plain `Trainer`'s or `Seq2SeqTrainer`'s `evaluate()` returns the unsmoothed
-    `eval_loss` and `predict()` the `label_ids`, with or without `predict_with_generate`."""
+    """`Trainer` takes every `forward` parameter named like "label" for a label (`find_labels`): only `labels`, so a
+    plain `Trainer`'s or `Seq2SeqTrainer`'s `evaluate()` returns the unsmoothed `eval_loss` and `predict()` the
+    `label_ids`, with or without `predict_with_generate`."""
     assert find_labels(VaswaniForConditionalGeneration) == ["labels"]
-    model = tiny_model(dropout=0.0, label_smoothing=0.1)
+    model = tiny_model(dropout=0.0)
     ids, mask = padded_batch(batch=4, length=9)
     labels = labels_for(*padded_batch(seed=2, batch=4, length=7))
     examples = [dict(input_ids=ids[i], attention_mask=mask[i], labels=labels[i]) for i in range(4)]
@@ -481,8 +496,9 @@ def test_trainer_takes_only_labels_for_labels_and_evaluates_with_eval_loss_and_l
                                         generation_max_length=6)
         trainer = Seq2SeqTrainer(model=model, args=args, eval_dataset=examples)
     with torch.no_grad():
-        plain = model.eval()(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
-        smoothed = model(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1).loss.item()
+        plain_output = model.eval()(input_ids=ids, attention_mask=mask, labels=labels)
+        plain = plain_output.loss.item()
+        smoothed = cross_entropy_loss(plain_output.logits, labels, label_smoothing=0.1).item()
     assert abs(plain - smoothed) > 1e-3
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] == pytest.approx(plain, rel=1e-5)

@@ -8,7 +8,7 @@ Every Seq2SeqTrainingArguments flag works (--output_dir, --max_steps, --gradient
 --resume_from_checkpoint, --push_to_hub, --report_to, ...), plus the flags of `training/arguments.py`.
 
 The recipe (§5.3-5.4): Adam(0.9, 0.98, 1e-9); lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
-label smoothing 0.1 (in the model's loss, exact under gradient accumulation); dropout 0.1; token-budget batches.
+label smoothing 0.1 (--label_smoothing_factor, exact under gradient accumulation); dropout 0.1; token-budget batches.
 Validation BLEU during training through `predict_with_generate` (beam 4, length penalty 0.6); at the end the test
 set is translated and scored (sacreBLEU and lowercased tokenized BLEU) and `<output_dir>/metrics.json` is written.
 
@@ -45,6 +45,7 @@ from transformers import (
 
 from vaswani_hf.checks import CheckError, follow_umask, weight_files
 from vaswani_hf.data import PaddedBatches, StreamingTokenBudgetBatches, example_lengths
+from vaswani_hf.kernels_vaswani import training_fast_paths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
@@ -93,6 +94,7 @@ TRAINER_DEFAULTS = {
     "seed": 1,
     "weight_decay": 0.0,
     "max_grad_norm": 0.0,
+    "label_smoothing_factor": 0.1,  # §5.4
 }
 
 
@@ -111,7 +113,10 @@ class StopWhen(StoppingCriteria):
 
 
 class PaperTrainer(Seq2SeqTrainer):
-    """Seq2SeqTrainer with the paper's optimizer and schedule (§5.3) and token-budget training batches (§5.1).
+    """Seq2SeqTrainer with the paper's optimizer and schedule (§5.3), token-budget training batches (§5.1), and its
+    training steps run with `training_fast_paths` (vaswani_hf/kernels_vaswani.py): the label-smoothed loss of §5.4
+    (`--label_smoothing_factor`, in training steps only, so that `eval_loss` and its perplexity are unsmoothed; exact
+    under gradient accumulation) and, on a CPU, the fast paths of a training step.
 
     `stop_requested`: a callable that turns true when training should stop (a signal, `TimeLimit.stop_requested`);
     validation inside training then ends within one decoding step instead of running to the end of the validation
@@ -123,6 +128,11 @@ class PaperTrainer(Seq2SeqTrainer):
         super().__init__(*args, **kwargs)
         self.max_tokens, self.d_model, self.warmup, self.lr_factor = max_tokens, d_model, warmup, lr_factor
         self.stop_requested = stop_requested
+        self.label_smoother = None  # the model's training forward smooths (training_fast_paths), not Trainer
+
+    def train(self, *args, **kwargs):
+        with training_fast_paths(self.model, self.args.label_smoothing_factor):
+            return super().train(*args, **kwargs)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval", **gen_kwargs):
         """Seq2SeqTrainer's evaluation; with `stop_requested`, cut short when it turns true: no metrics, and the
@@ -152,17 +162,6 @@ class PaperTrainer(Seq2SeqTrainer):
         if self.stop_requested is not None and self.stop_requested():  # its translations were cut short
             raise ValidationInterrupted
         return output
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Seq2SeqTrainer's loss, label-smoothed by `config.label_smoothing` (0.1, §5.4) in training steps only; the
-        model's own loss is the plain cross-entropy, so `eval_loss` (and its perplexity) is unsmoothed. With
-        `--label_smoothing_factor` Trainer smooths instead, as for any transformers model."""
-        if model.training and self.label_smoother is None and "labels" in inputs:
-            smoothing = self.accelerator.unwrap_model(model).config.label_smoothing
-            if smoothing:
-                inputs = {**inputs, "label_smoothing": smoothing}
-        return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:

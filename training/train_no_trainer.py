@@ -60,6 +60,7 @@ from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.averaging import find_checkpoints
 from vaswani_hf.checks import CheckError, follow_umask, read_json, weight_files
 from vaswani_hf.data import PaddedBatches
+from vaswani_hf.kernels_vaswani import training_fast_paths
 from vaswani_hf.schedule import paper_optimizer_and_schedule
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
@@ -123,6 +124,8 @@ class LoopArguments:
         "help": "Beam size for the test set (default: the model's generation config, 4)."})
     max_grad_norm: float = field(default=0.0, metadata={"help": "Clip gradients to this norm; 0 (default, the "
                                                                 "paper): no clipping."})
+    label_smoothing_factor: float = field(default=0.1, metadata={
+        "help": "Label smoothing epsilon_ls of the training loss (default 0.1, §5.4), as Trainer's flag of this name."})
     dataloader_num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes (default 0)."})
     push_to_hub: bool = field(default=False, metadata={
         "help": "At the end, export a Hub-ready folder (training/export.py) and upload it to --hub_model_id."})
@@ -150,6 +153,8 @@ def check_loop_arguments(loop: LoopArguments) -> None:
             raise CheckError(f"--{name} must be >= 1, got {getattr(loop, name)}.")
     if loop.checkpointing_steps < 0 or loop.max_grad_norm < 0 or loop.dataloader_num_workers < 0:
         raise CheckError("--checkpointing_steps, --max_grad_norm and --dataloader_num_workers must be >= 0.")
+    if not 0.0 <= loop.label_smoothing_factor < 1.0:
+        raise CheckError(f"--label_smoothing_factor must be in [0, 1), got {loop.label_smoothing_factor}.")
     if loop.mixed_precision not in (None, "no", "fp16", "bf16"):
         raise CheckError(f"--mixed_precision must be no, fp16 or bf16, got {loop.mixed_precision!r}.")
 
@@ -275,7 +280,6 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
     optimizer, scheduler = paper_optimizer_and_schedule(model.parameters(), model.config.d_model, plan.warmup_steps,
                                                         plan.lr_factor)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    unwrapped_config = accelerator.unwrap_model(model).config
 
     # Checkpoints hold the model as save_pretrained writes it (config, model code, safetensors with the shared
     # embedding once), so that averaging (§6.1) and from_pretrained read them; accelerate saves the rest.
@@ -325,57 +329,58 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
     start = time.perf_counter()
     saved_at = time.monotonic()  # --save_every_minutes counts from the last checkpoint
     model.train()
-    while completed < max_steps:
-        micro_batches = [next(batches) for _ in range(accumulation)]
-        # Target tokens in the whole update: every micro-batch on every process.
-        num_items = accelerator.reduce(sum(b["labels"].ne(-100).sum() for b in micro_batches), reduction="sum")
-        learning_rate = optimizer.param_groups[0]["lr"]
-        update_loss = torch.zeros((), device=accelerator.device)
-        for batch in micro_batches:
-            with accelerator.accumulate(model):
-                # Label smoothing (§5.4) in training only; the model's own loss is plain cross-entropy.
-                loss = model(**batch, num_items_in_batch=num_items,  # sum over this batch / num_items
-                             label_smoothing=unwrapped_config.label_smoothing).loss
-                # DDP averages gradients over the processes and accelerator.backward divides by the accumulation
-                # steps; undoing both leaves the gradient of (sum over the update's target tokens) / num_items.
-                accelerator.backward(loss * (accelerator.num_processes * accumulation))
-                update_loss += loss.detach()
-                if loop.max_grad_norm > 0 and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), loop.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-        if not accelerator.optimizer_step_was_skipped:  # fp16 overflow: the update did not happen
-            scheduler.step()
-        completed += 1
-        target_tokens += num_items  # already summed over the processes
+    # the label-smoothed loss of §5.4 and, on a CPU, the fast paths of a training step (kernels_vaswani.py)
+    with training_fast_paths(accelerator.unwrap_model(model), loop.label_smoothing_factor):
+        while completed < max_steps:
+            micro_batches = [next(batches) for _ in range(accumulation)]
+            # Target tokens in the whole update: every micro-batch on every process.
+            num_items = accelerator.reduce(sum(b["labels"].ne(-100).sum() for b in micro_batches), reduction="sum")
+            learning_rate = optimizer.param_groups[0]["lr"]
+            update_loss = torch.zeros((), device=accelerator.device)
+            for batch in micro_batches:
+                with accelerator.accumulate(model):
+                    # label-smoothed (training_fast_paths): the sum over this batch / num_items
+                    loss = model(**batch, num_items_in_batch=num_items).loss
+                    # DDP averages gradients over the processes and accelerator.backward divides by the accumulation
+                    # steps; undoing both leaves the gradient of (sum over the update's target tokens) / num_items.
+                    accelerator.backward(loss * (accelerator.num_processes * accumulation))
+                    update_loss += loss.detach()
+                    if loop.max_grad_norm > 0 and accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), loop.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            if not accelerator.optimizer_step_was_skipped:  # fp16 overflow: the update did not happen
+                scheduler.step()
+            completed += 1
+            target_tokens += num_items  # already summed over the processes
 
-        stop = False
-        if completed % loop.logging_steps == 0 or completed == max_steps:
-            entry = {"epoch": round(completed * accumulation / batches_per_epoch, 4), "step": completed,
-                     "loss": accelerator.reduce(update_loss, reduction="sum").item(),
-                     "learning_rate": learning_rate, "num_tokens": int(num_items)}
-            log_history.append(entry)
-            if accelerator.is_main_process:
-                logger.info("update %d/%d  loss %.4f  lr %.3g  target tokens %d", completed, max_steps,
-                            entry["loss"], learning_rate, entry["num_tokens"])
-            if deadline is not None:  # every process stops at the same update
-                late = torch.tensor(float(time.monotonic() > deadline), device=accelerator.device)
-                stop = accelerator.reduce(late, reduction="sum").item() > 0
-                if stop and accelerator.is_main_process:
-                    logger.info("Time limit reached at update %d: saving and stopping.", completed)
-        due = False
-        if job.recipe.save_every_minutes:  # every process saves at the same update (the clocks differ a little)
-            late = torch.tensor(float(time.monotonic() - saved_at >= job.recipe.save_every_minutes * 60),
-                                device=accelerator.device)
-            due = accelerator.reduce(late, reduction="sum").item() > 0
-        if stop or due or completed == max_steps or (loop.checkpointing_steps
-                                                     and completed % loop.checkpointing_steps == 0):
-            save_checkpoint(accelerator, output_dir, completed,
-                            {"global_step": completed, "max_steps": max_steps, "log_history": log_history},
-                            tokenizer, keep=keep, settings=run_settings(job))
-            saved_at = time.monotonic()
-        if stop:
-            break
+            stop = False
+            if completed % loop.logging_steps == 0 or completed == max_steps:
+                entry = {"epoch": round(completed * accumulation / batches_per_epoch, 4), "step": completed,
+                         "loss": accelerator.reduce(update_loss, reduction="sum").item(),
+                         "learning_rate": learning_rate, "num_tokens": int(num_items)}
+                log_history.append(entry)
+                if accelerator.is_main_process:
+                    logger.info("update %d/%d  loss %.4f  lr %.3g  target tokens %d", completed, max_steps,
+                                entry["loss"], learning_rate, entry["num_tokens"])
+                if deadline is not None:  # every process stops at the same update
+                    late = torch.tensor(float(time.monotonic() > deadline), device=accelerator.device)
+                    stop = accelerator.reduce(late, reduction="sum").item() > 0
+                    if stop and accelerator.is_main_process:
+                        logger.info("Time limit reached at update %d: saving and stopping.", completed)
+            due = False
+            if job.recipe.save_every_minutes:  # every process saves at the same update (the clocks differ a little)
+                late = torch.tensor(float(time.monotonic() - saved_at >= job.recipe.save_every_minutes * 60),
+                                    device=accelerator.device)
+                due = accelerator.reduce(late, reduction="sum").item() > 0
+            if stop or due or completed == max_steps or (loop.checkpointing_steps
+                                                         and completed % loop.checkpointing_steps == 0):
+                save_checkpoint(accelerator, output_dir, completed,
+                                {"global_step": completed, "max_steps": max_steps, "log_history": log_history},
+                                tokenizer, keep=keep, settings=run_settings(job))
+                saved_at = time.monotonic()
+            if stop:
+                break
     batches.close()
     train_seconds = time.perf_counter() - start
 

@@ -25,7 +25,7 @@ SINUSOIDAL_MAX_POSITIONS = 16384
 _FIELDS = ("vocab_size", "target_vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff",
            "dropout", "attention_dropout", "activation_dropout", "activation_function", "normalize_before",
            "position_embedding_type", "max_position_embeddings", "share_encoder_decoder_embeddings",
-           "tie_word_embeddings", "scale_embedding", "label_smoothing", "layer_norm_eps", "use_cache", "pad_token_id",
+           "tie_word_embeddings", "scale_embedding", "layer_norm_eps", "use_cache", "pad_token_id",
            "bos_token_id", "eos_token_id", "decoder_start_token_id")
 # Written into every saved config.json: with the three code files saved beside it, a folder loads through these Auto
 # classes with `trust_remote_code=True` where this package is not installed.
@@ -74,9 +74,6 @@ class VaswaniConfig(PretrainedConfig):
             The pre-softmax projection (`lm_head`) shares the decoder's embedding matrix (§3.4). With both sharing
             flags on (the default), one matrix serves all three uses.
         scale_embedding (`bool`, defaults to `True`): Multiply embeddings by `sqrt(d_model)` (§3.4).
-        label_smoothing (`float`, defaults to 0.1):
-            `epsilon_ls` of label smoothing in training (§5.4): the training scripts pass it to `forward` as
-            `label_smoothing=` in training steps. `forward` itself returns the plain cross-entropy unless asked.
         layer_norm_eps (`float`, defaults to 1e-5): Epsilon of every LayerNorm.
         pad_token_id, bos_token_id, eos_token_id, decoder_start_token_id (`int`, defaults to 0, 1, 2, 1):
             Special token ids, matching the joint BPE tokenizer of this package (`<pad>`, `<s>`, `</s>`); the decoder
@@ -138,7 +135,6 @@ class VaswaniConfig(PretrainedConfig):
         share_encoder_decoder_embeddings: bool = True,
         tie_word_embeddings: bool = True,
         scale_embedding: bool = True,
-        label_smoothing: float = 0.1,
         layer_norm_eps: float = 1e-5,
         use_cache: bool = True,
         pad_token_id: int = 0,
@@ -166,9 +162,11 @@ class VaswaniConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.share_encoder_decoder_embeddings = share_encoder_decoder_embeddings
         self.scale_embedding = scale_embedding
-        self.label_smoothing = label_smoothing
         self.layer_norm_eps = layer_norm_eps
         self.use_cache = use_cache
+        # Label smoothing (§5.4) is a setting of training (Trainer's label_smoothing_factor), not of the model; configs
+        # saved before it moved there still carry it.
+        kwargs.pop("label_smoothing", None)
         kwargs.setdefault("is_encoder_decoder", True)
         kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(
@@ -284,7 +282,7 @@ class VaswaniConfig(PretrainedConfig):
                 f"each head has d_k = d_model / num_heads dimensions (§3.2.2); choose e.g. num_heads="
                 f"{max(h for h in range(1, num_heads + 1) if d_model % h == 0)}."
             )
-        for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
             value = v(name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ValueError(f"VaswaniConfig: {name} must be in [0, 1), got {value!r}.")

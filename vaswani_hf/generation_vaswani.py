@@ -1,20 +1,20 @@
-"""Generation for `VaswaniForConditionalGeneration`: the paper's decoding (§6.1: beam 4, length penalty 0.6) through
-transformers' `generate()`, and what makes it cheaper than transformers' defaults while returning the same tokens.
+"""Generation for `VaswaniForConditionalGeneration`: beam 4 with length penalty 0.6 (§6.1) through transformers'
+`generate()`, and what makes it cheaper than transformers' defaults while returning the same tokens. The model's
+forward knows none of it: everything here enters through `generate()`'s hooks and its cache.
 
-- `VaswaniGenerationMixin`: `generate()` (pads after `</s>`, packs the CPU linears for the call), and the generation
-  hooks that keep one encoder row per sentence, make the in-place cache, leave finished sentences out of beam search
-  and reorder only the self-attention cache;
+- `VaswaniGenerationMixin`: `generate()` (pads after `</s>`; runs with kernels_vaswani.py's fast paths installed for
+  the call), and the generation hooks that keep one encoder row per sentence, make the in-place cache, leave finished
+  sentences out of beam search and reorder only the self-attention cache;
 - `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer;
-- `group_queries`: encoder-decoder attention for k hypotheses that share one encoder row (one per sentence);
-- `FinishedSentenceSkipping`: beam search's bookkeeping for decoding steps without the sentences it has finished;
-- `CACHE_NAME`, `_one_cache`: the cache keyword, `cache=` (transformers >= 5.24) or `past_key_values=`;
+- `FinishedSentenceSkipping`: the state of one beam search that leaves out the sentences it has finished;
+- `CACHE_NAME`, `one_cache`: the cache keyword, `cache=` (transformers >= 5.24) or `past_key_values=`;
 - `check_generation_values`: generation settings of the wrong type refused with the field named.
 
 It imports only torch, transformers and `kernels_vaswani.py`: transformers copies it beside the model code (relative
 imports) for `trust_remote_code=True`.
 """
 
-import contextlib
+import contextvars
 import copy
 import functools
 import math
@@ -23,18 +23,19 @@ import warnings
 from collections.abc import Mapping
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, PretrainedConfig
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.modeling_outputs import Seq2SeqLMOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .kernels_vaswani import packed_cpu_linears
+from .kernels_vaswani import inference_fast_paths
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model keyword, `generate()`'s model_kwargs, output field) and
 # keeps the old name as a deprecated alias; the model takes either and speaks the installed version's name.
 CACHE_NAME = "cache" if "cache" in Seq2SeqLMOutput.__dataclass_fields__ else "past_key_values"
 
 
-def _one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
     """The cache passed as `past_key_values=` (transformers < 5.24) or `cache=` (>= 5.24).
 
     Raises:
@@ -97,36 +98,6 @@ def check_generation_values(values: Mapping, where: str) -> None:
         if not good:
             raise ValueError(f"{where}: {name} must be {expected}, got {value!r}. Pass or write it as "
                              f"{expected.split(' (')[0]} (in JSON without quotes for numbers and true/false).")
-
-
-def group_queries(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple:
-    """Queries of k decoder rows that share one encoder row, as k * T queries of that row (encoder-decoder attention).
-
-    `generate()` runs k = `num_beams` (or `num_return_sequences`) hypotheses per sentence, and
-    `VaswaniGenerationMixin._expand_inputs_for_generation` keeps the encoder output at one row per sentence. Attending
-    with the k hypotheses' queries together, `(B / k, H, k * T, Dh)`, against the sentence's keys and values computes
-    the same attention (encoder-decoder attention has no causal mask, and its padding mask is the same for every query)
-    while the keys and values are projected, cached and read once per sentence instead of k times.
-
-    Args:
-        query: `(B, H, T, Dh)`; key: `(B / k, H, S, Dh)`; attention_mask: `(B / k, 1, T, S)` or `None`.
-    Returns:
-        the grouped query, the padding mask for it (`(B / k, 1, 1, S)`, or `None`), and k.
-    Raises:
-        ValueError: B is not a multiple of the encoder rows.
-    """
-    batch, rows = query.shape[0], key.shape[0]
-    if batch % rows:
-        raise ValueError(
-            f"Encoder-decoder attention got {batch} decoder rows for {rows} encoder rows; the decoder batch must "
-            "equal the encoder batch, or be a multiple of it with each encoder row shared by consecutive decoder "
-            "rows (as generate() does for beams)."
-        )
-    groups = batch // rows
-    query = query.unflatten(0, (rows, groups)).transpose(1, 2).flatten(2, 3)  # (B / k, H, k * T, Dh)
-    if attention_mask is not None:
-        attention_mask = attention_mask[:, :, :1]  # a padding mask: one row serves every query
-    return query, attention_mask, groups
 
 
 # Incremental decoding: the decoder self-attention cache ---------------------------------------------------------------
@@ -255,21 +226,21 @@ class VaswaniSelfAttentionCache(DynamicCache):
 # Beam search without the sentences it has finished --------------------------------------------------------------------
 
 
-class FinishedSentenceSkipping:
-    """Beam search state that lets decoding steps leave out the sentences beam search has finished.
+class FinishedSentenceSkipping(LogitsProcessor):
+    """One beam search's state for leaving out of the decoder's batch the sentences beam search has finished.
 
     transformers' beam search keeps every sentence of the batch in every step until the last one is done; the steps of
     a finished sentence change nothing it returns (with `early_stopping=True`, or once no hypothesis can improve on
-    its finished ones, every new candidate of the sentence is scored -1e9 below its finished hypotheses). So after the
+    its finished ones, every new candidate of the sentence is scored below its finished hypotheses). So after the
     step in which a sentence finishes, its rows leave the decoder's batch, as CTranslate2 does: the self-attention
     cache keeps only the rows of the open sentences (the beam reorder gathers exactly those), the encoder-decoder
-    cache, encoder output and source mask only their sentences, and the finished rows' logits are zeros (finite; never
-    used). The first step, where the beams of a sentence hold the same start token, runs once per sentence (as
-    CTranslate2 does) and its cache and logits are repeated for the beams. Used only where nothing of a finished
-    sentence's later steps is returned: no scores, logits, attentions or hidden states asked for, no sampling, our
-    self-attention cache.
+    cache, encoder output and source mask only their sentences. The first step, where the beams of a sentence hold
+    the same start token, runs once per sentence (as CTranslate2 does) and its cache is repeated for the beams.
 
-    A decoding step calls `begin_step` on its inputs and `end_step` on its logits.
+    `VaswaniGenerationMixin`'s hooks drive it (`select_inputs` before a step, `note_finished` and `reorder` after
+    it), and as the first of beam search's logits processors it puts the computed rows' log-probabilities back where
+    beam search reads them, `(batch * beams, V)`; finished sentences' rows get those of all-zero logits (finite,
+    never used).
 
     Args:
         batch: sentences; beams: rows per sentence.
@@ -281,8 +252,41 @@ class FinishedSentenceSkipping:
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # finished, as of the last step
         self.sentences: torch.LongTensor | None = None  # open sentences in the decoder's batch (None: all)
         self.rows: torch.LongTensor | None = None  # their rows among the batch * beams of beam search
-        self.closed_rows: torch.LongTensor | None = None  # the other rows
         self._encoder: tuple | None = None  # (encoder states, source mask) of the open sentences
+
+    def select_inputs(self, model_inputs: dict) -> dict:
+        """A decoding step's model inputs for the rows it computes: the open sentences' rows once some are done, one
+        row per sentence at the first step, otherwise all (unchanged)."""
+        ids, cache = model_inputs["decoder_input_ids"], model_inputs.get(CACHE_NAME)
+        self.step = None
+        if self.rows is not None:
+            self.step = "open"
+            if self._encoder is None:
+                states = model_inputs["encoder_outputs"].last_hidden_state
+                mask = model_inputs.get("attention_mask")
+                self._encoder = (states.index_select(0, self.sentences),
+                                 mask.index_select(0, self.sentences) if mask is not None else None)
+            states, mask = self._encoder
+            encoder_outputs = copy.copy(model_inputs["encoder_outputs"])
+            encoder_outputs["last_hidden_state"] = states
+            return {**model_inputs, "decoder_input_ids": ids.index_select(0, self.rows), "attention_mask": mask,
+                    "encoder_outputs": encoder_outputs}
+        if cache is not None and cache.get_seq_length() == 0 and ids.shape[0] == self.batch * self.beams:
+            grouped = ids.view(self.batch, self.beams, -1)
+            if bool(grouped.eq(grouped[:, :1]).all()):
+                self.step = "first"
+                return {**model_inputs, "decoder_input_ids": ids[:: self.beams]}
+        return model_inputs
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """The step's log-probabilities `(rows computed, V)` as beam search reads them, `(batch * beams, V)`."""
+        if self.step == "first":
+            return scores.repeat_interleave(self.beams, dim=0)
+        if self.step == "open":
+            unused = scores.new_zeros(1, scores.shape[1]).log_softmax(-1)  # those of all-zero logits
+            full = unused.expand(self.batch * self.beams, -1).clone()
+            return full.index_copy_(0, self.rows, scores)
+        return scores
 
     def note_finished(self, is_sent_finished: torch.Tensor, early_stopping, no_improvement: torch.Tensor) -> None:
         """After a step: a sentence whose `num_beams` hypotheses are finished, with `early_stopping=True` or no
@@ -292,9 +296,13 @@ class FinishedSentenceSkipping:
             full = full & no_improvement.reshape(-1)
         self.done |= full
 
-    def reorder(self, cache, beam_idx: torch.LongTensor) -> bool:
+    def reorder(self, cache: Cache, beam_idx: torch.LongTensor) -> bool:
         """Beam search's cache reorder, dropping the rows of sentences done since the last step. Returns False when
         nothing was dropped yet (the caller then reorders as usual)."""
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        if self.step == "first":  # one row per sentence computed: every beam's row starts as its sentence's
+            for layer in self_cache.layers:
+                layer.batch_repeat_interleave(self.beams)
         open_now = (~self.done).nonzero().flatten()
         if self.sentences is None and len(open_now) == self.batch:
             return False
@@ -307,7 +315,6 @@ class FinishedSentenceSkipping:
         position = torch.full((full,), -1, dtype=torch.long, device=self.device)
         position[old_rows] = torch.arange(len(old_rows), device=self.device)
         sources = position[beam_idx.to(self.device)[new_rows]]  # beams stay within their (open) sentence
-        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         if len(new_rows) == len(old_rows):
             self_cache.reorder_cache(sources)
         else:
@@ -323,85 +330,35 @@ class FinishedSentenceSkipping:
                         layer.values = layer.values.index_select(0, kept)
             self._encoder = None
         self.sentences, self.rows = open_now, new_rows
-        closed = torch.ones(full, dtype=torch.bool, device=self.device)
-        closed[new_rows] = False
-        self.closed_rows = closed.nonzero().flatten()
         return True
 
-    def begin_step(self, decoder_input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, encoder_outputs,
-                   cache) -> tuple:
-        """A decoding step's `(decoder_input_ids, attention_mask, encoder_outputs)` for the rows it computes: the open
-        sentences' rows once some are done, one row per sentence at the first step, otherwise all (unchanged)."""
-        self.step = None
-        if self.rows is not None:
-            self.step = "open"
-            return self.compact_inputs(decoder_input_ids, attention_mask, encoder_outputs)
-        if self.first_step_rows(decoder_input_ids, cache):
-            self.step = "first"
-            return decoder_input_ids[:: self.beams], attention_mask, encoder_outputs
-        return decoder_input_ids, attention_mask, encoder_outputs
 
-    def end_step(self, cache, logits: torch.Tensor) -> torch.Tensor:
-        """The step's logits `(rows computed, T, V)` as beam search reads them, `(batch * beams, T, V)`."""
-        if self.step == "first":
-            return self.expand_first_step(cache, logits)
-        if self.step == "open":
-            return self.expand_logits(logits)
-        return logits
-
-    def first_step_rows(self, decoder_input_ids: torch.LongTensor, cache) -> bool:
-        """Whether this is beam search's first step with the same decoder input in all beams of each sentence (as
-        `generate()` expands it): then one row per sentence computes what all of its beams would."""
-        if self.rows is not None or cache is None or cache.get_seq_length() != 0:
-            return False
-        if decoder_input_ids.shape[0] != self.batch * self.beams:
-            return False
-        grouped = decoder_input_ids.view(self.batch, self.beams, -1)
-        return bool(grouped.eq(grouped[:, :1]).all())
-
-    def expand_first_step(self, cache, logits: torch.Tensor) -> torch.Tensor:
-        """After a first step on one row per sentence: every beam's row gets its sentence's cache and logits."""
-        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-        for layer in self_cache.layers:
-            layer.batch_repeat_interleave(self.beams)
-        return logits.repeat_interleave(self.beams, dim=0)
-
-    def compact_inputs(self, decoder_input_ids, attention_mask, encoder_outputs):
-        """The open sentences' part of a decoding step's inputs (full batch -> open rows)."""
-        if self._encoder is None:
-            states = encoder_outputs[0] if encoder_outputs is not None else None
-            self._encoder = (
-                states.index_select(0, self.sentences) if states is not None else None,
-                attention_mask.index_select(0, self.sentences) if attention_mask is not None else None)
-        states, mask = self._encoder
-        if encoder_outputs is not None:
-            encoder_outputs = type(encoder_outputs)(last_hidden_state=states) if hasattr(
-                encoder_outputs, "last_hidden_state") else (states,)
-        return decoder_input_ids.index_select(0, self.rows), mask, encoder_outputs
-
-    def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """`(open rows, T, V)` -> `(batch * beams, T, V)`, zeros in the rows of finished sentences."""
-        full = logits.new_empty(self.batch * self.beams, *logits.shape[1:])
-        return full.index_copy_(0, self.rows, logits).index_fill_(0, self.closed_rows, 0.0)
+# The beam search running in this context, if it leaves finished sentences out: per call, never on the model, so that
+# one model decodes for several threads at once.
+_SKIPPING: contextvars.ContextVar[FinishedSentenceSkipping | None] = contextvars.ContextVar(
+    "finished_sentence_skipping", default=None)
 
 
 # The generation mixin -------------------------------------------------------------------------------------------------
 
 
 class VaswaniGenerationMixin(GenerationMixin):
-    """transformers' `GenerationMixin` with the paper's decoding (§6.1) as its default and cheaper decoding steps.
+    """transformers' `GenerationMixin` with beam 4 and length penalty 0.6 (§6.1) as its default and cheaper decoding
+    steps.
 
-    It overrides five of GenerationMixin's private hooks; each says in one line why the public API (GenerationConfig,
+    It overrides seven of GenerationMixin's private hooks; each says in one line why the public API (GenerationConfig,
     logits processors, a cache passed as `cache=`, `prepare_inputs_for_generation`) cannot do what it does.
     """
 
-    use_cpu_packed_linears: bool = True  # see cpu_packed_linears()
-    keep_packed_cpu_linears: bool = True  # see cpu_packed_linears()
+    use_cpu_packed_linears: bool = True  # see kernels_vaswani.inference_fast_paths
+    keep_packed_cpu_linears: bool = True  # see kernels_vaswani.inference_fast_paths
     skip_finished_sentences: bool | None = None  # see _beam_search(): None = on a CPU only
 
     @staticmethod
-    def paper_generation_config(config: PretrainedConfig) -> GenerationConfig:
-        """Beam 4, length penalty 0.6 (§6.1), starting from `decoder_start_token_id` and ending at `</s>`."""
+    def default_generation_config(config: PretrainedConfig) -> GenerationConfig:
+        """Beam 4, length penalty 0.6 (§6.1; applied as transformers does, the score over |Y|^0.6, where the paper's
+        GNMT penalty divides by ((5 + |Y|) / 6)^0.6: `vaswani_hf.decoding.paper_generate`), starting from
+        `decoder_start_token_id` and ending at `</s>`."""
         return GenerationConfig(
             num_beams=4,
             length_penalty=0.6,
@@ -414,7 +371,8 @@ class VaswaniGenerationMixin(GenerationMixin):
         )
 
     def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, then positions after each sequence's first `</s>` set to `pad_token_id`.
+        """`GenerationMixin.generate`, run with kernels_vaswani.py's fast paths (`inference_fast_paths`), then
+        positions after each sequence's first `</s>` set to `pad_token_id`.
 
         transformers' beam search fills finished hypotheses with `pad_token_id or eos_token_id`, which picks
         `</s>` when the pad id is 0, as here (huggingface/transformers PR #47286): a beam-search row ended
@@ -435,7 +393,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         check_generation_values(kwargs, "generate()")
         check_generation_values({name: getattr(config, name, None) for name in GENERATION_FIELDS if name not in kwargs},
                                 "generate(): the generation config (generation_config)")
-        with self.cpu_packed_linears(), self._length_limit_for(kwargs):
+        with inference_fast_paths(self, self.use_cpu_packed_linears, self.keep_packed_cpu_linears):
             outputs = super().generate(*args, **kwargs)
         sequences = outputs if torch.is_tensor(outputs) else getattr(outputs, "sequences", None)
         generation_config = kwargs.get("generation_config") or self.generation_config
@@ -450,52 +408,24 @@ class VaswaniGenerationMixin(GenerationMixin):
         sequences[:, 1:].masked_fill_(after, int(pad))
         return outputs
 
-    @contextlib.contextmanager
-    def _length_limit_for(self, kwargs: dict):
-        """Inside it, a `generate(**kwargs)` call that sets `max_new_tokens` and no `max_length` sees no
-        `max_length`: the default one of the generation config (256) only bounds calls that give no length, and
-        transformers would otherwise warn on every call that both are set (`max_new_tokens` wins either way)."""
-        given = kwargs.get("generation_config")
-        config = given or self.generation_config
-        if (kwargs.get("max_new_tokens", config.max_new_tokens) is None or kwargs.get("max_length") is not None
-                or self.generation_config.max_length is None):
-            yield
-            return
-        original = self.generation_config
-        self.generation_config = copy.deepcopy(original)
-        self.generation_config.max_length = None
-        if given is not None:
-            kwargs["generation_config"] = copy.deepcopy(given)
-            kwargs["generation_config"].max_length = None
-        try:
-            yield
-        finally:
-            self.generation_config = original
-
-    @contextlib.contextmanager
-    def cpu_packed_linears(self):
-        """Context manager: the model's linear layers multiply with oneDNN and prepacked weights inside it (see
-        `kernels_vaswani.linear`), if the model is an fp32 model on a CPU, torch has oneDNN, autocast is off and
-        `use_cpu_packed_linears` is True (the class attribute; set it to False to turn the path off). `generate()`
-        runs inside it. Packing copies every linear weight once (as much memory again as the linear weights). The
-        packed copies are kept for the next use while every weight is unchanged (the same tensor, storage, version
-        counter and values: an optimizer step, `load_state_dict` or any in-place change makes them be packed again),
-        so repeated `generate()` calls pack once; `keep_packed_cpu_linears = False` (the class attribute) drops them
-        on exit instead. Nested uses keep the outer packing. Yields whether the weights are packed.
-
-        The input projections that read one input are also stacked into one packed matrix per attention
-        (`VaswaniAttention.fused_inputs`: q|k|v, or k|v in encoder-decoder attention), when they are plain
-        projections (not wrapped, e.g. by a PEFT adapter, which then keeps its own forward)."""
-        with packed_cpu_linears(self) as packed:
-            yield packed
+    def _prepare_generated_length(self, generation_config, has_default_max_length, *args, **kwargs):
+        """transformers' length settings of a call. `max_new_tokens` wins over `max_length` either way; the default
+        `max_length` of our generation config (256) only bounds calls that give no length, so a call that sets
+        `max_new_tokens` beside that default is not warned that both are set (beside another `max_length` it is)."""
+        # Private hook: the only place that warns, on every call, of max_new_tokens beside a default max_length.
+        if (generation_config.max_new_tokens is not None
+                and generation_config.max_length == self.generation_config.max_length):
+            has_default_max_length = True
+        return super()._prepare_generated_length(generation_config, has_default_max_length, *args, **kwargs)
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False,
                                       input_ids: torch.LongTensor | None = None, **model_kwargs):
         """`generate()`'s hook that repeats every input `expand_size` times (once per beam or returned sample).
 
-        The decoder input is repeated, but the encoder output and its padding mask keep one row per sentence:
-        encoder-decoder attention groups the hypotheses of a sentence (`group_queries`), so its keys and
-        values are projected, cached and read once per sentence rather than once per beam.
+        The decoder input is repeated; the encoder output and its padding mask keep one row per sentence where the
+        attention function takes a sentence's k hypotheses against one encoder row (`shares_encoder_rows`,
+        kernels_vaswani.py's "vaswani_sdpa", which `generate()` installs in place of "sdpa"), so that encoder-decoder
+        attention's keys and values are projected, cached and read once per sentence rather than once per beam.
         """
         # Private hook: generate() expands every model input here, and no public option keeps one of them unexpanded.
         encoder_outputs = model_kwargs.get("encoder_outputs")
@@ -503,7 +433,10 @@ class VaswaniGenerationMixin(GenerationMixin):
         encoder_mask = model_kwargs.get("attention_mask")
         input_ids, model_kwargs = super()._expand_inputs_for_generation(
             expand_size=expand_size, is_encoder_decoder=is_encoder_decoder, input_ids=input_ids, **model_kwargs)
-        if expand_size > 1 and is_encoder_decoder and torch.is_tensor(encoder_states):
+        attention = None if model_kwargs.get("output_attentions") else \
+            ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        shared = getattr(attention, "shares_encoder_rows", False)
+        if expand_size > 1 and is_encoder_decoder and torch.is_tensor(encoder_states) and shared:
             model_kwargs["encoder_outputs"]["last_hidden_state"] = encoder_states
             if encoder_mask is not None:
                 model_kwargs["attention_mask"] = encoder_mask
@@ -529,10 +462,10 @@ class VaswaniGenerationMixin(GenerationMixin):
                      **model_kwargs):
         """transformers' beam search. Where only the sequences are returned (no `return_dict_in_generate`, so no
         scores, attentions or cache either) and beams are not sampled, the decoding steps leave the sentences that beam
-        search has finished out of the batch (`FinishedSentenceSkipping`): the same sequences, computed for the open
-        sentences only. `skip_finished_sentences` (the class attribute) chooses: None (the default) on a CPU only,
-        True everywhere, False nowhere: on a CPU a step costs in proportion to the rows it computes, on a GPU it costs
-        kernel launches whatever the rows, and the skipping adds a host sync per step
+        search has finished out of the batch (`FinishedSentenceSkipping`, for this call only): the same sequences,
+        computed for the open sentences only. `skip_finished_sentences` (the class attribute) chooses: None (the
+        default) on a CPU only, True everywhere, False nowhere: on a CPU a step costs in proportion to the rows it
+        computes, on a GPU it costs kernel launches whatever the rows, and the skipping adds a host sync per step
         (benchmarks/bench_generation_paths.py measures both)."""
         # Private hook: the only one that sees the call's resolved GenerationConfig before beam search's first step.
         cache = model_kwargs.get(CACHE_NAME)
@@ -546,23 +479,34 @@ class VaswaniGenerationMixin(GenerationMixin):
                     and not any(getattr(generation_config, name, False) for name in
                                 ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                                  "output_hidden_states"))
+                    and model_kwargs.get("decoder_attention_mask") is None
                     and isinstance(cache, EncoderDecoderCache)
                     and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
                     and torch.is_tensor(states) and states.shape[0] > 1 and beams > 1
                     and input_ids.shape[0] == states.shape[0] * beams)
-        self.__dict__["_finished_sentences"] = (
-            FinishedSentenceSkipping(states.shape[0], beams, input_ids.device) if eligible else None)
-        try:
+        if not eligible:
             return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
                                         synced_gpus, **model_kwargs)
+        skipping = FinishedSentenceSkipping(states.shape[0], beams, input_ids.device)
+        token = _SKIPPING.set(skipping)
+        try:
+            return super()._beam_search(input_ids, LogitsProcessorList([skipping, *logits_processor]),
+                                        stopping_criteria, generation_config, synced_gpus, **model_kwargs)
         finally:
-            self.__dict__.pop("_finished_sentences", None)
+            _SKIPPING.reset(token)
+
+    def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
+        """transformers' model inputs of a decoding step; inside a beam search that leaves finished sentences out,
+        those of the rows it computes (`FinishedSentenceSkipping.select_inputs`)."""
+        model_inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        skipping = _SKIPPING.get()
+        return skipping.select_inputs(model_inputs) if skipping is not None else model_inputs
 
     def _update_finished_beams(self, *args, **kwargs):
         """transformers' update of the finished hypotheses, noting which sentences are done."""
         # Private hook: beam search's finished sentences (`is_sent_finished`) are visible nowhere else.
         results = super()._update_finished_beams(*args, **kwargs)
-        skipping = self.__dict__.get("_finished_sentences")
+        skipping = _SKIPPING.get()
         if skipping is not None:
             skipping.note_finished(results[3], kwargs.get("early_stopping"),
                                    ~kwargs["is_early_stop_heuristic_unsatisfied"])
@@ -572,12 +516,12 @@ class VaswaniGenerationMixin(GenerationMixin):
         """Beam search's hook to follow the surviving beams (`generate()` calls it after every step).
 
         Only the self-attention cache moves. Beams never leave their sentence, and the encoder-decoder attention cache
-        holds one row per sentence (see `_expand_inputs_for_generation`), the same for all its beams: the default
-        would gather it too, failing on its rows, or, with one row per beam, copying
-        `decoder_layers x 2 x (B * beams, H, S, Dh)` floats per step for nothing.
+        holds the same keys and values for all beams of a sentence (one row per sentence with a shared-row attention,
+        see `_expand_inputs_for_generation`): the default would gather it too, failing on its rows, or, with one row
+        per beam, copying `decoder_layers x 2 x (B * beams, H, S, Dh)` floats per step for nothing.
         """
         # Private hook: a cache's own `reorder_cache` (the public path) would gather the cross-attention half as well.
-        skipping = self.__dict__.get("_finished_sentences")
+        skipping = _SKIPPING.get()
         if skipping is not None and skipping.reorder(past_key_values, beam_idx):
             return past_key_values
         if isinstance(past_key_values, EncoderDecoderCache):
@@ -585,14 +529,3 @@ class VaswaniGenerationMixin(GenerationMixin):
         else:
             past_key_values.reorder_cache(beam_idx)
         return past_key_values
-
-    def _finished_sentences_step(self, decoder_input_ids: torch.LongTensor | None,
-                                 decoder_attention_mask: torch.Tensor | None,
-                                 labels: torch.Tensor | None) -> FinishedSentenceSkipping | None:
-        """The running beam search's `FinishedSentenceSkipping` when this forward is one of its decoding steps (then
-        `begin_step` and `end_step` apply), else `None` (see `_beam_search`)."""
-        skipping = self.__dict__.get("_finished_sentences")
-        if (skipping is None or labels is not None or decoder_input_ids is None or decoder_attention_mask is not None
-                or decoder_input_ids.shape[0] != skipping.batch * skipping.beams):
-            return None
-        return skipping

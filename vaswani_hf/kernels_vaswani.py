@@ -1,32 +1,51 @@
-"""CPU kernels of the Transformer in `modeling_vaswani.py`: faster paths that compute what plain torch code computes.
+"""CPU fast paths for the Transformer of `modeling_vaswani.py`, installed from outside it.
 
-- `CPUDropout`, `CPUDropoutAdd`: dropout (and dropout followed by the residual add) with a cheaper random mask
-  (§5.4's dropout, same distribution, scale and gradient);
-- `cpu_attention_forward`: Eq. 1 on a CPU for bf16/fp16 (scores in fp32) and for training with attention dropout;
-- `linear`: the model's linear layers (plain `nn.Linear`s, so that torch's quantization finds them) multiply in
-  oneDNN in fp32 CPU training where oneDNN is much faster than torch's BLAS (`cpu_training_matmul`, which measures
-  once which library is faster), and with oneDNN-packed weights during CPU inference; `packed_cpu_linears`, the
-  context that packs them (with the stacked q|k|v input projections) for `generate()`, keeping the packed copies for
-  the next call while the weights stay unchanged;
-- `RealTokens`: CPU training runs the position-wise layers on the real (non-padding) tokens of a batch only;
-- `cpu_projected_cross_entropy`: a CPU training step's output projection and label-smoothed loss in one function,
-  without materializing anything of the `(N, V)` logits' size but one buffer.
+The model file is the paper; what is here makes it cheaper on a CPU and computes the same numbers (to float rounding;
+tests/test_kernels.py holds each path against the plain model):
 
-The KV cache and beam search's bookkeeping live in `generation_vaswani.py`. Like the model files, it imports only torch
-and transformers: transformers copies it beside the model code (relative imports) for `trust_remote_code=True`.
+- `vaswani_sdpa`, registered with transformers' `AttentionInterface` as "vaswani_sdpa": transformers' "sdpa"
+  attention that also takes (1) the k hypotheses of a sentence sharing one encoder row (`generate()` keeps the encoder
+  output at one row per sentence), (2) the unpadded tokens of a batch, packed as one row, with the lengths passed as
+  keyword arguments the way transformers' padding-free path passes `cu_seq_lens_q/k` (`unpad_batch`), and (3) on a
+  CPU in bf16/fp16 or with attention dropout, Eq. 1 with the scores in fp32 (`cpu_attention_forward`).
+- `CPUDropout`: `nn.Dropout` whose random mask costs a fifth of torch's on a CPU.
+- `OneDNNLinear`: `nn.Linear` whose products run in oneDNN: in fp32 training where oneDNN is much faster than torch's
+  BLAS on this CPU (`cpu_training_matmul`), and with weights prepacked in oneDNN's layout in inference.
+- `cpu_projected_cross_entropy`: the output projection and the label-smoothed loss of a training step in one
+  function that writes one buffer of the logits' size where `F.cross_entropy` writes four.
+
+Who installs what, and undoes it afterwards (`inference_fast_paths`, `training_fast_paths`):
+
+- every `generate()` call (`VaswaniGenerationMixin`): attention "sdpa" runs as "vaswani_sdpa", and on a CPU in fp32
+  the linear layers become `OneDNNLinear`s with packed weights;
+- the training commands, for the whole run (their trainer and their loop): the model's `forward` trains on the
+  label-smoothed loss of §5.4 (`training_forward`: on a CPU, on the unpadded tokens and with the fused loss), and on
+  a CPU dropout becomes `CPUDropout`, the linears `OneDNNLinear`s where oneDNN is faster, attention "vaswani_sdpa".
+
+Modules are swapped in place by class, as `torch.nn.utils.parametrize` does: parameters, names, hooks and optimizer
+state stay as they are; only the model's own `nn.Linear`s and `nn.Dropout`s are swapped, not those inside another
+module (a PEFT adapter keeps its own forward). Like the model files, this file imports only torch and transformers:
+transformers copies it beside the model code for `trust_remote_code=True`.
 """
 
 import contextlib
 import functools
 import os
+import threading
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_outputs import Seq2SeqLMOutput
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
+
+# Dropout -------------------------------------------------------------------------------------------------------------
 
 
 def _dropout_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -34,79 +53,228 @@ def _dropout_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
 
     torch's CPU `bernoulli_` spends about 6 ns per element; here one 64-bit random draw decides four elements: an
     element is kept when its 16-bit quarter is at least -2^15 + round(p * 2^16) (for p = 0.1: kept with probability
-    0.899994), a fraction of `bernoulli_`'s time and half that of a 32-bit threshold per element
-    (benchmarks/bench_dropout.py)."""
+    0.899994), a fraction of `bernoulli_`'s time (benchmarks/bench_dropout.py)."""
     numel = x.numel()
     bits = torch.empty((numel + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
     return bits.view(torch.int16)[:numel].view(x.shape) >= -(2**15) + round(p * 2**16)
 
 
-class CPUDropout(torch.autograd.Function):
-    """Inverted dropout (§5.4) whose random mask costs a fifth of `F.dropout`'s on a CPU (`_dropout_keep_mask`).
-
-    Kept elements are scaled by 1 / (1 - p), as `F.dropout` does; the backward pass applies the same mask and scale.
-    The mask is kept for the backward pass as 1 byte per element (`F.dropout` keeps a 4-byte one).
-    """
+class _CPUDropoutFunction(torch.autograd.Function):
+    """Inverted dropout: kept elements scaled by 1 / (1 - p), as `F.dropout`; the backward pass applies the same mask
+    and scale. The mask is kept for the backward pass as 1 byte per element (`F.dropout` keeps a 4-byte one)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
         keep = _dropout_keep_mask(x, p)
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(keep)
-        return torch.where(keep, x * ctx.scale, 0.0)
+        return torch.where(keep, x, 0.0).mul_(ctx.scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (keep,) = ctx.saved_tensors
-        return torch.where(keep, grad * ctx.scale, 0.0), None
+        return torch.where(keep, grad, 0.0).mul_(ctx.scale), None
 
 
-class CPUDropoutAdd(torch.autograd.Function):
-    """`residual + CPUDropout(x, p)` (§5.4's residual dropout, then §3.1's residual connection) in two passes over
-    memory where the two operations take four: the kept elements of x are selected, then added to the residual with
-    the scale 1 / (1 - p) as the sum's factor. `residual` and `x` have the same shape; the result has their promoted
-    dtype. Backward: the residual's gradient is the incoming one, x's is it under the mask, times the scale."""
+def cpu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """`F.dropout(x, p, training)` (§5.4), with the cheaper mask of `_CPUDropoutFunction` on a CPU in eager mode."""
+    if training and 0.0 < p < 1.0 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _CPUDropoutFunction.apply(x, p)
+    return F.dropout(x, p=p, training=training)
 
-    @staticmethod
-    def forward(ctx, residual: torch.Tensor, x: torch.Tensor, p: float) -> torch.Tensor:
-        keep = _dropout_keep_mask(x, p)
-        ctx.scale = 1.0 / (1.0 - p)
-        ctx.save_for_backward(keep)
-        kept = torch.where(keep, x, 0.0)
-        if kept.dtype == torch.result_type(residual, kept):
-            return torch.add(residual, kept, alpha=ctx.scale, out=kept)  # in place of the selection: no allocation
-        return torch.add(residual, kept, alpha=ctx.scale)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (keep,) = ctx.saved_tensors
-        grad_x = torch.where(keep, grad, 0.0).mul_(ctx.scale) if ctx.needs_input_grad[1] else None
-        return grad, grad_x, None
+class CPUDropout(nn.Dropout):
+    """`nn.Dropout` drawing its mask with `cpu_dropout` (same distribution, scale and gradient)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_dropout(x, self.p, self.training)
+
+
+# Attention -----------------------------------------------------------------------------------------------------------
 
 
 def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
-                          **kwargs) -> tuple[torch.Tensor, None]:
-    """Eq. 1 on a CPU where "sdpa" would run torch's CPU flash-attention kernel slowly: in bf16/fp16 (several times
-    this one's time, benchmarks/bench_training_paths.py), and in training steps with attention dropout (not the
-    paper's; `CPUDropout` draws the mask). Q K^T, the mask and the softmax in fp32 (autocast off: the scores are
-    not rounded to 8 bits of mantissa before the softmax), the product with V in the inputs' precision. Shapes as
-    `eager_attention_forward`; returns the output `(B, Tq, H, Dh)` and no probabilities."""
+                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Eq. 1 on a CPU where torch's CPU flash-attention kernel is slow: in bf16/fp16 (several times this one's time,
+    benchmarks/bench_training_paths.py), and with attention dropout (`cpu_dropout` draws the mask). Q K^T, the mask
+    and the softmax in fp32 (autocast off: the scores are not rounded to 8 bits of mantissa before the softmax), the
+    product with V in the inputs' precision. Shapes as `eager_attention_forward`, whose causal rule it follows (no
+    mask: a causal module hides later positions); returns the output `(B, Tq, H, Dh)` and no probabilities."""
     with torch.autocast(query.device.type, enabled=False):
         scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
+        is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+        if attention_mask is None and is_causal and query.shape[2] > 1:
+            attention_mask = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1) * torch.finfo(scores.dtype).min
         if attention_mask is not None:
             scores = scores + attention_mask.float()
         probs = F.softmax(scores, dim=-1)
-    probs = probs.to(value.dtype)
-    if module.training and dropout > 0.0:  # as modeling_vaswani.apply_dropout
-        probs = CPUDropout.apply(probs, dropout) if 0.0 < dropout < 1.0 and not torch.compiler.is_compiling() \
-            else F.dropout(probs, p=dropout, training=True)
+    probs = cpu_dropout(probs.to(value.dtype), dropout, module.training and dropout > 0.0)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+
+
+def vaswani_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                 **kwargs) -> tuple[torch.Tensor, None]:
+    """Eq. 1 as transformers' "sdpa" computes it, for three more layouts (see the module docstring).
+
+    Args:
+        query: `(B, H, Tq, Dh)`; key, value: `(B, H, Tk, Dh)`, or `(B / k, H, Tk, Dh)` where k consecutive query rows
+            share a key row (encoder-decoder attention in `generate()`); with `cu_seq_lens_source` and
+            `cu_seq_lens_target` in `kwargs` (`unpad_batch`), `(1, H, N, Dh)`: the N unpadded tokens of a batch.
+        attention_mask: additive `(B, 1, Tq, Tk)` (`(B / k, 1, Tq, Tk)` with shared rows) or `None`; ignored with
+            unpadded tokens, whose lengths define the mask.
+    Returns:
+        output `(B, Tq, H, Dh)` (unpadded: `(1, N, H, Dh)`) and no probabilities.
+    """
+    unpadded = kwargs.get("cu_seq_lens_target") is not None
+    if unpadded:
+        query, key, value, attention_mask, queries = _padded_layout(module, query, key, value, kwargs)
+    batch, length = query.shape[0], query.shape[2]
+    groups = batch // key.shape[0]
+    if groups > 1:  # (B, H, T, Dh) -> (B / k, H, k * T, Dh): the k rows' queries against their one key row
+        query = query.unflatten(0, (-1, groups)).transpose(1, 2).flatten(2, 3)
+        attention_mask = attention_mask[:, :, :1] if attention_mask is not None else None  # a padding mask
+    if query.device.type == "cpu" and (query.dtype in (torch.bfloat16, torch.float16) or dropout > 0.0):
+        output, _ = cpu_attention_forward(module, query, key, value, attention_mask, scaling, dropout)
+    else:
+        output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling)
+    output = output.reshape(batch, length, *output.shape[2:])  # (B / k, k * T, H, Dh) is (B, T, H, Dh)
+    if unpadded:
+        output = queries.pack(output)[None]  # (1, N, H, Dh)
+    return output, None
+
+
+vaswani_sdpa.shares_encoder_rows = True  # modeling_vaswani.check_encoder_rows reads it
+AttentionInterface.register("vaswani_sdpa", vaswani_sdpa)
+
+
+# Unpadded tokens -----------------------------------------------------------------------------------------------------
+
+
+class UnpaddedTokens:
+    """The tokens of a right-padded `(B, L)` batch, each row's first `lengths[b]` positions, packed as `(N, ...)`.
+
+    Everything in a layer but attention is position-wise (the projections, the FFN, LayerNorm, dropout, the residual
+    adds), so it can run on the N tokens alone: a length-bucketed batch of Multi30k sentences is 10-15 % padding, and
+    a step's matrix products shrink by as much. Attention runs on the padded layout (`pad` before it, `pack` after).
+    """
+
+    def __init__(self, cu_seq_lens: torch.Tensor, length: int):
+        lengths = cu_seq_lens.diff()
+        self.batch, self.length = len(lengths), length
+        keep = torch.arange(length, device=cu_seq_lens.device) < lengths[:, None]  # (B, L)
+        self.keep, self.index, self.left_out = keep, keep.flatten().nonzero()[:, 0], (~keep).flatten().nonzero()[:, 0]
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, L, ...)` -> `(N, ...)`: the tokens, in order."""
+        return _Pack.apply(x.reshape(self.batch * self.length, *x.shape[2:]), self)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """`(N, ...)` -> `(B, L, ...)`, zeros at the padded positions."""
+        return _Pad.apply(x, self).view(self.batch, self.length, *x.shape[1:])
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """`(N, ...)` -> `(B * L, ...)` with zeros elsewhere, writing each element once."""
+        full = x.new_empty(self.batch * self.length, *x.shape[1:])
+        return full.index_fill_(0, self.left_out, 0.0).index_copy_(0, self.index, x)
+
+
+@functools.lru_cache(maxsize=4)  # one step's two sides, reused by every attention call of the step
+def unpadded_tokens(cu_seq_lens: torch.Tensor, length: int) -> UnpaddedTokens:
+    return UnpaddedTokens(cu_seq_lens, length)
+
+
+class _Pack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tokens: UnpaddedTokens) -> torch.Tensor:
+        ctx.tokens = tokens
+        return x.index_select(0, tokens.index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.tokens.scatter(grad.contiguous()), None
+
+
+class _Pad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tokens: UnpaddedTokens) -> torch.Tensor:
+        ctx.tokens = tokens
+        return tokens.scatter(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.reshape(grad.shape[0], -1).index_select(0, ctx.tokens.index).view(-1, *grad.shape[1:]), None
+
+
+def _padded_layout(module: nn.Module, query, key, value, kwargs: dict) -> tuple:
+    """Unpadded `(1, H, N, Dh)` queries, keys and values in the padded layout `(B, H, L, Dh)` with its additive mask:
+    the encoder's self-attention reads the source lengths, the decoder's the target's, encoder-decoder attention
+    queries of the target and keys of the source."""
+    def side(name: str) -> UnpaddedTokens:
+        return unpadded_tokens(kwargs[f"cu_seq_lens_{name}"], kwargs[f"max_length_{name}"])
+
+    decoder = module.is_causal or module.is_cross_attention
+    queries = side("target" if decoder else "source")
+    keys = side("target" if module.is_causal else "source")
+
+    def padded(x: torch.Tensor, tokens: UnpaddedTokens) -> torch.Tensor:  # (1, H, N, Dh) -> (B, H, L, Dh)
+        return tokens.pad(x[0].transpose(0, 1)).transpose(1, 2)
+
+    mask = None
+    if not module.is_causal:  # padded keys hidden; the decoder's causality hides its padding from its tokens
+        mask = (~keys.keep[:, None, None, :]) * torch.finfo(query.dtype).min  # (B, 1, 1, L_k)
+        mask = mask.to(query.dtype).expand(-1, 1, queries.length, -1)
+    return padded(query, queries), padded(key, keys), padded(value, keys), mask, queries
+
+
+def unpad_batch(inputs: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor] | None:
+    """A right-padded training batch as one row of its tokens, for a CPU training step on `vaswani_sdpa`.
+
+    Args:
+        inputs: the model's keyword inputs: `input_ids`, `attention_mask` `(B, S)` and `decoder_input_ids` `(B, T)`
+            (no embeddings, no encoder output, no decoder padding mask).
+        labels: `(B, T)`; each target row keeps its positions up to its last label (a causal decoder never lets a
+            position read later ones, so they compute what they compute in the padded batch).
+    Returns:
+        `(inputs, labels)` of the unpadded batch: ids and positions `(1, N)`, and the keyword arguments
+        `cu_seq_lens_source`, `cu_seq_lens_target` `(B + 1,)` and `max_length_source`, `max_length_target` that
+        "vaswani_sdpa" reads; `None` where the padded layout must stay: inputs of another kind, a row that is not
+        right-padded (its positions would change) or empty (it defines what its queries attend to), or no padding.
+    """
+    ids, mask, decoder_ids = inputs.get("input_ids"), inputs.get("attention_mask"), inputs.get("decoder_input_ids")
+    if (ids is None or mask is None or decoder_ids is None or ids.dim() != 2 or mask.shape != ids.shape
+            or labels.shape != decoder_ids.shape or set(inputs) - {"input_ids", "attention_mask", "decoder_input_ids"}):
+        return None
+    positions = torch.arange(1, labels.shape[1] + 1)
+    source = mask.ne(0).sum(1)
+    target = (labels.ne(-100) * positions).amax(1)  # up to the last label
+    right_padded = mask.ne(0).eq(torch.arange(ids.shape[1]) < source[:, None]).all()
+    if not bool(right_padded) or bool(source.eq(0).any() | target.eq(0).any()):
+        return None
+    if bool(source.eq(ids.shape[1]).all() & target.eq(labels.shape[1]).all()):
+        return None
+    sides = {}
+    for name, lengths, tensors in (("source", source, (ids,)), ("target", target, (decoder_ids, labels))):
+        length = int(lengths.max())
+        cu_seq_lens = F.pad(lengths.cumsum(0), (1, 0))
+        keep = unpadded_tokens(cu_seq_lens, length).keep
+        sides[name] = ([t[:, :length][keep][None] for t in tensors], torch.arange(length).expand_as(keep)[keep][None],
+                       cu_seq_lens, length)
+    (source_ids,), source_positions, cu_source, max_source = sides["source"]
+    (target_ids, target_labels), target_positions, cu_target, max_target = sides["target"]
+    return dict(input_ids=source_ids, position_ids=source_positions, decoder_input_ids=target_ids,
+                decoder_position_ids=target_positions, cu_seq_lens_source=cu_source, cu_seq_lens_target=cu_target,
+                max_length_source=max_source, max_length_target=max_target), target_labels
+
+
+# Linear layers in oneDNN ---------------------------------------------------------------------------------------------
 
 
 @functools.cache
 def has_onednn_linear() -> bool:
-    """Whether this torch has oneDNN and the two operators of `linear`'s CPU paths (torch >= 2.0 builds)."""
+    """Whether this torch has oneDNN and the two operators of the oneDNN linears (torch >= 2.0 builds)."""
     try:
         return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
                     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -115,7 +283,7 @@ def has_onednn_linear() -> bool:
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b with oneDNN: `(M, K)` x `(N, K)` (either may be a transposed view) -> `(M, N)`, fp32 on a CPU."""
+    """x W^T + b with oneDNN: `(M, K)` x `(N, K)` (either may be a transposed view, or W packed) -> `(M, N)`, fp32."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -135,13 +303,15 @@ def cpu_training_matmul() -> str:
     x86 builds).
 
     MKL runs its AVX2 code on non-Intel CPUs, so where AVX-512 units are full width oneDNN's AVX-512 code can multiply
-    much faster at base-model shapes; elsewhere the two are close (benchmarks/benchmark.py reports both peaks).
-    So this is decided by measuring, once
-    per process: the three products of a linear's training step (forward x W^T, input gradient g W, weight
-    gradient g^T x; 512 rows, 512 -> 1024 features) with both, best of 5 each (about 0.1 s); oneDNN is chosen only
-    when it takes at most 1/1.3 of BLAS's time, so noise cannot flip the choice where the two are close. The
-    environment variable `VASWANI_CPU_MATMUL` = `onednn` or `blas` overrides the measurement (`auto`, the default,
-    measures). Results agree to fp32 rounding either way.
+    much faster at base-model shapes; elsewhere the two are close (benchmarks/benchmark.py reports both peaks). So
+    this is decided by measuring, once per process: the three products of a linear's training step (forward x W^T,
+    input gradient g W, weight gradient g^T x; 512 rows, 512 -> 1024 features) with both, best of 5 each (about
+    0.1 s); oneDNN is chosen only when it takes at most 1/1.3 of BLAS's time, so noise cannot flip the choice where
+    the two are close. The environment variable `VASWANI_CPU_MATMUL` = `onednn` or `blas` overrides the measurement
+    (`auto`, the default, measures). Results agree to fp32 rounding either way.
+
+    Raises:
+        ValueError: `VASWANI_CPU_MATMUL` holds another value.
     """
     choice = os.environ.get("VASWANI_CPU_MATMUL", "auto").strip().lower()
     if choice not in ("auto", "onednn", "blas"):
@@ -175,16 +345,14 @@ def _onednn_grad_weight(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return _onednn_linear(grad.t(), x.t())
 
 
-class _OneDNNLinear(torch.autograd.Function):
-    """`F.linear` whose forward and backward products run in oneDNN (`cpu_training_matmul`); fp32, CPU. Its backward
-    pass is not differentiable again (no double backward)."""
+class _OneDNNLinearFunction(torch.autograd.Function):
+    """`F.linear` whose forward and backward products run in oneDNN; fp32, CPU; not differentiable twice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        flat = x.reshape(-1, x.shape[-1])
-        return _onednn_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return _onednn_linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -201,93 +369,37 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def trains_with_onednn(module: nn.Linear, x: torch.Tensor) -> bool:
-    """Whether `linear(module, x)` takes the oneDNN training path: an fp32 training-mode forward with autograd on a
-    CPU, without autocast, compiling or tracing, where `cpu_training_matmul()` chose oneDNN."""
-    return (module.training and torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
-            and module.weight.dtype == torch.float32 and (x.requires_grad or module.weight.requires_grad)
+def _eager_fp32_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and not torch.jit.is_tracing() and cpu_training_matmul() == "onednn")
+            and not torch.jit.is_tracing())
 
 
-def uses_packed(module: nn.Linear, x: torch.Tensor) -> bool:
-    """Whether `linear(module, x)` multiplies with the oneDNN-packed weight: one is packed (`packed_cpu_linears`), and
-    `x` is an fp32 CPU input without autograd, autocast or compiling."""
-    return (getattr(module, "packed_weight", None) is not None and x.dtype == torch.float32
-            and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling())
+class OneDNNLinear(nn.Linear):
+    """`nn.Linear` whose products run in oneDNN on a CPU, computing x W^T + b to fp32 rounding:
 
+    - with `packed_weight` (the weight in oneDNN's blocked layout, set by `inference_fast_paths`), an fp32 forward
+      without autograd: for the few rows of a decoding step, faster than torch's BLAS call;
+    - in an fp32 training-mode forward with autograd, where `cpu_training_matmul()` chose oneDNN.
 
-def _fast_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
-    """x W^T + b by one of the CPU fast paths, or `None` where none applies."""
-    if uses_packed(module, x):
-        return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, module.bias, "none", [], "")
-    if trains_with_onednn(module, x):
-        return _OneDNNLinear.apply(x, module.weight, module.bias)
-    return None
-
-
-def _global_hooks() -> bool:
-    """Whether forward hooks are registered for every module (`nn.modules.module.register_module_forward_hook`)."""
-    hooks = nn.modules.module
-    return bool(getattr(hooks, "_global_forward_hooks", None) or getattr(hooks, "_global_forward_pre_hooks", None))
-
-
-def is_plain_linear(module: nn.Module) -> bool:
-    """Whether `module` is an `nn.Linear` itself, computing x W^T + b and nothing else: not a subclass (a quantized,
-    parametrized or PEFT-wrapped layer has its own type), no forward replaced on the instance (accelerate's offload)
-    and no forward hooks."""
-    return (type(module) is nn.Linear and "forward" not in module.__dict__ and not module._forward_hooks
-            and not module._forward_pre_hooks and not _global_hooks())
-
-
-def new_linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
-    """The model's linear layers: a plain `nn.Linear` (torch's dynamic quantization, which matches exact types, then
-    finds every one), run through `linear()`; `packed_weight` is `None` until `packed_cpu_linears` packs it."""
-    module = nn.Linear(in_features, out_features, bias=bias)
-    module.packed_weight = None
-    return module
-
-
-def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` for a linear layer of the model, `(..., in_features)` -> `(..., out_features)`, with faster paths
-    on a CPU for a plain `nn.Linear` (`is_plain_linear`):
-
-    - Training: an fp32 training-mode forward with autograd on a CPU, without autocast, multiplies with oneDNN, forward
-      and backward, where `cpu_training_matmul()` found oneDNN much faster than torch's BLAS on this CPU.
-    - Inference: while `module.packed_weight` holds the weight in oneDNN's blocked layout (`generate()` packs it for
-      the duration of the call: `VaswaniGenerationMixin.cpu_packed_linears`), an fp32 forward on a CPU without
-      autograd and without autocast multiplies with oneDNN: for the few rows of a decoding step, prepacked weights
-      are faster than torch's default BLAS call even where the two libraries are close at training sizes.
-
-    Results agree with `nn.Linear`'s to fp32 rounding. Any other module (quantized, wrapped by an adapter, hooked),
-    GPUs, bf16 and `torch.compile`d or exported graphs run `module(x)`.
+    Anything else (GPUs, bf16 or autocast, compiled or traced graphs) runs `nn.Linear`'s forward.
     """
-    if is_plain_linear(module):
-        output = _fast_linear(module, x)
-        if output is not None:
-            return output
-    return module(x)
-
-
-class VaswaniLinear(nn.Linear):
-    """`nn.Linear` with `linear()`'s CPU fast paths as its own forward, for a linear layer outside the model (the
-    stacked input projections `packed_cpu_linears` packs). The model's own layers are plain `nn.Linear`s
-    (`new_linear`), so that torch's quantization and other tools that match exact types find them."""
 
     packed_weight: torch.Tensor | None = None
 
-    def trains_with_onednn(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` takes the oneDNN training path (`trains_with_onednn`)."""
-        return trains_with_onednn(self, x)
-
     def uses_packed(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` takes the oneDNN path with the packed weight (`uses_packed`)."""
-        return uses_packed(self, x)
+        return self.packed_weight is not None and not torch.is_grad_enabled() and _eager_fp32_cpu(x, self.weight)
+
+    def trains_with_onednn(self, x: torch.Tensor) -> bool:
+        return (self.training and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+                and _eager_fp32_cpu(x, self.weight) and cpu_training_matmul() == "onednn")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = _fast_linear(self, x)
-        return output if output is not None else super().forward(x)
+        if self.uses_packed(x):
+            return _onednn_linear(x, self.packed_weight, self.bias)
+        if self.trains_with_onednn(x):
+            return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 # The output projection and the loss of a CPU training step ------------------------------------------------------------
@@ -316,8 +428,8 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
         if ctx.consumed:
             raise RuntimeError(
                 "The fused CPU loss (cpu_projected_cross_entropy) turned its saved log-probabilities into the softmax "
-                "in place in the first backward pass, so it cannot run backward again (retain_graph=True). Call the "
-                "model with skip_logits=False for steps that backpropagate twice.")
+                "in place in the first backward pass, so it cannot run backward again (retain_graph=True). Compute "
+                "the loss from the model's logits for steps that backpropagate twice.")
         hidden, weight, labels, log_probs = ctx.saved_tensors
         epsilon, vocab = ctx.label_smoothing, log_probs.shape[1]
         # d loss / d logits = scale * (softmax - (1 - eps) one_hot(label) - eps / V); the products take softmax alone
@@ -344,15 +456,15 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
 def cpu_projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                 label_smoothing: float = 0.0, divisor: int | torch.Tensor = 1) -> torch.Tensor | None:
     """The pre-softmax projection (§3.4) and the label-smoothed cross-entropy (§5.4) of a CPU training step, fused:
-    `F.cross_entropy(hidden @ weight.T, labels, reduction="sum", label_smoothing=label_smoothing) / divisor`.
+    `F.cross_entropy(hidden @ weight.T, labels, reduction="sum", label_smoothing=label_smoothing) / divisor`, which
+    is `modeling_vaswani.cross_entropy_loss` on the labelled positions.
 
     `F.cross_entropy` on a projection's output writes three `(N, V)` tensors beside the logits: the log-probabilities,
     and in the backward pass a zero-filled gradient of them (with the labels scattered in) and the logits' gradient.
     Here the logits' own buffer is the only one: turned into log-probabilities in place, and in the backward pass into
     the softmax in place (label smoothing's uniform term and the one-hot term are applied to the products' small
     `(N, D)` and `(V, D)` results instead). So its backward runs once: a second one (retain_graph=True) raises
-    RuntimeError. The products run in `cpu_training_matmul()`'s library, as `linear`'s
-    (benchmarks/bench_training_paths.py compares it with the unfused projection and loss).
+    RuntimeError. The products run in `cpu_training_matmul()`'s library.
 
     Args:
         hidden: `(N, D)` fp32 decoder states of the labelled positions only.
@@ -363,185 +475,197 @@ def cpu_projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labe
         the scalar loss, or `None` where the fused path does not apply (not a CPU, not fp32, autocast on, compiling or
         tracing): compute the loss from the logits then.
     """
-    if (hidden.device.type != "cpu" or hidden.dtype != torch.float32 or weight.dtype != torch.float32
-            or hidden.dim() != 2 or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()
-            or torch.jit.is_tracing()):
+    if hidden.dim() != 2 or not _eager_fp32_cpu(hidden, weight):
         return None
     return _ProjectedCrossEntropy.apply(hidden, weight, labels, float(label_smoothing), divisor)
 
 
-# Packed weights for inference ---------------------------------------------------------------------------------------
+# Installing the fast paths --------------------------------------------------------------------------------------------
 
 
-def _packing_key(linears: list, fused: dict) -> tuple:
-    """What packed weights depend on: each weight and bias (identity, storage, version counter, and a sum over a
-    strided sample of its values) and which projections are stacked. The sample is needed because not every in-place
-    update advances the version counter: torch's fused Adam (`Adam(fused=True)`) writes the parameters without it,
-    so a key of identity and version alone would keep weights packed before the optimizer step."""
-
-    def state(tensor):
-        if tensor is None:
-            return None
-        sample = float(tensor.detach().reshape(-1)[::97].double().sum())  # ~1 % of the values, every row touched
-        return (id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape), sample)
-
-    parts = [(id(module), state(module.weight), state(module.bias)) for module in linears]
-    for attention, group in fused.items():
-        parts.append((id(attention),) + tuple((id(p), state(p.weight), state(p.bias)) for p in group))
-    return tuple(parts)
-
-
-# The names of the linear layers the model runs through `linear()` (modeling_vaswani.py).
-_MODEL_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "lm_head")
+_LOCK = threading.Lock()
+_INSTALLED: dict[tuple[int, str], list] = {}  # (id(model), what) -> [users, undo]
+_PACKED: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()  # weights packed for inference
 
 
 @contextlib.contextmanager
-def packed_cpu_linears(model: nn.Module):
-    """The body of `VaswaniGenerationMixin.cpu_packed_linears` (see there). The attentions whose input projections
-    are stacked are the modules whose class declares `fused_inputs` (`VaswaniAttention`). Packed are the model's
-    plain linear layers that it runs through `linear()` (`_MODEL_LINEARS`), not those inside another module (the
-    base layer or the matrices of a PEFT adapter, which that module runs itself)."""
-    linears = [module for name, module in model.named_modules()
-               if name.rpartition(".")[2] in _MODEL_LINEARS and is_plain_linear(module)]
-    wanted = (model.use_cpu_packed_linears and has_onednn_linear() and linears
-              and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears)
-              and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-              and all(getattr(m, "packed_weight", None) is None for m in linears))
-    if not wanted:
-        yield False
-        return
-    fused = {}  # attention -> its stacked input projections
-    for module in model.modules():
-        if hasattr(type(module), "fused_inputs"):
-            group = (module.k_proj, module.v_proj) if module.is_cross_attention else \
-                (module.q_proj, module.k_proj, module.v_proj)
-            if all(is_plain_linear(projection) for projection in group):
-                fused[module] = group
-    covered = {id(projection) for group in fused.values() for projection in group}
-    linears = [module for module in linears if id(module) not in covered]
-    key = _packing_key(linears, fused)
-    keep = getattr(model, "keep_packed_cpu_linears", False)
-    kept = model.__dict__.get("_packed_cpu_linears") if keep else model.__dict__.pop("_packed_cpu_linears", None)
-    if keep and kept is not None and kept[0] == key:  # the same weights, unchanged since they were packed
-        linears, packed, stacked = list(kept[1]), list(kept[2]), dict(kept[3])
-    else:
-        model.__dict__.pop("_packed_cpu_linears", None)
+def _installed(model: nn.Module, what: str, install):
+    """`install()` (which returns its undo) on entry unless it is in force already; undone when its last user exits,
+    so that calls on one model from several threads, and nested calls, install once."""
+    key = (id(model), what)
+    with _LOCK:
+        entry = _INSTALLED.get(key)
+        if entry is None:
+            entry = _INSTALLED[key] = [0, install()]
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _INSTALLED[key]
+                entry[1]()
+
+
+def _plain(module: nn.Module) -> bool:
+    """No forward hooks (its own or global ones) and no forward replaced on the instance (accelerate's offload)."""
+    hooks = nn.modules.module
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+                or getattr(hooks, "_global_forward_hooks", None) or getattr(hooks, "_global_forward_pre_hooks", None))
+
+
+def own_modules(model: nn.Module, kind: type) -> list[nn.Module]:
+    """The plain (`_plain`) modules of exactly type `kind` that the model's own classes hold; not those inside another
+    module (a PEFT adapter's layers, which that module runs itself)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    home = type(base).__module__
+    return [child for parent in base.modules() if type(parent).__module__ == home for child in parent.children()
+            if type(child) is kind and _plain(child)]
+
+
+def _swap(modules: list[nn.Module], cls: type) -> list[nn.Module]:
+    for module in modules:
+        module.__class__ = cls
+    return modules
+
+
+def _attention(model: nn.Module):
+    """"vaswani_sdpa" in place of "sdpa"; returns the undo."""
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        return lambda: None
+    config._attn_implementation = "vaswani_sdpa"
+
+    def undo():
+        config._attn_implementation = "sdpa"
+    return undo
+
+
+def _packed_weight(module: nn.Linear, keep: bool) -> torch.Tensor:
+    """The module's weight in oneDNN's layout; with `keep`, kept and packed again only when the weight changed: its
+    identity, storage, version counter and a sum over a strided sample of its values (torch's fused Adam writes
+    parameters without advancing the version counter)."""
+    weight = module.weight.detach()
+    if not keep:
+        _PACKED.pop(module, None)
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    state = (id(module.weight), weight.data_ptr(), weight._version, tuple(weight.shape),
+             float(weight.reshape(-1)[::97].double().sum()))
+    kept = _PACKED.get(module)
+    if kept is None or kept[0] != state:
+        kept = _PACKED[module] = (state, torch.ops.mkldnn._reorder_linear_weight(weight, 64))
+    return kept[1]
+
+
+@contextlib.contextmanager
+def inference_fast_paths(model: nn.Module, packed_linears: bool = True, keep_packed: bool = True):
+    """`generate()`'s fast paths for one call: attention "sdpa" runs as "vaswani_sdpa", and, with `packed_linears`,
+    for an fp32 model on a CPU without autocast, the model's linears multiply with oneDNN-packed weights
+    (`OneDNNLinear`). Packing copies each linear weight once (as much memory again); the copies are kept for the next
+    call while the weights are unchanged (`keep_packed=False`: packed at every call, not kept). Undone on exit."""
+    def install():
+        undo_attention = _attention(model)
+        plain, swapped = own_modules(model, nn.Linear), own_modules(model, OneDNNLinear)  # the latter: in training
+        linears = plain + swapped
+        wanted = (packed_linears and has_onednn_linear() and linears and not torch.is_autocast_enabled("cpu")
+                  and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears))
         try:
-            with torch.no_grad():
-                stacked = {}
-                for attention, group in fused.items():
-                    linear = VaswaniLinear(model.config.d_model, len(group) * model.config.d_model, device="meta")
-                    linear.weight = nn.Parameter(torch.cat([p.weight.detach() for p in group]), requires_grad=False)
-                    linear.bias = nn.Parameter(torch.cat([p.bias.detach() for p in group]), requires_grad=False)
-                    stacked[attention] = linear
-                linears += list(stacked.values())
-                packed = [torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 64) for module in linears]
+            packed = [_packed_weight(module, keep_packed) for module in linears] if wanted else []
         except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
             logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
-            yield False
-            return
-        if keep:
-            model.__dict__["_packed_cpu_linears"] = (key, tuple(linears), tuple(packed), dict(stacked))
-    for module, weight in zip(linears, packed, strict=True):
-        module.packed_weight = weight
-    for attention, linear in stacked.items():
-        attention.__dict__["fused_inputs"] = linear  # a plain attribute: not a submodule, never in state_dict
-    try:
-        yield True
-    finally:
-        for module in linears:
-            module.packed_weight = None
-        for attention in stacked:
-            attention.__dict__.pop("fused_inputs", None)
+            packed = []
+        if packed:
+            _swap(plain, OneDNNLinear)
+            for module, weight in zip(linears, packed, strict=True):
+                module.packed_weight = weight
+
+        def undo():
+            undo_attention()
+            for module in linears if packed else []:
+                del module.packed_weight
+            _swap(plain if packed else [], nn.Linear)
+        return undo
+
+    with _installed(model, "inference", install):
+        yield
 
 
-# Training without computing on padding --------------------------------------------------------------------------------
+def training_forward(model: nn.Module, label_smoothing: float):
+    """The model's `forward` for a training run: in training mode with `labels`, the loss is the label-smoothed
+    cross-entropy of §5.4 (`label_smoothing`, epsilon_ls; `modeling_vaswani.cross_entropy_loss`), and `logits` are
+    not returned (Trainer reads the loss only). On a CPU in eager mode the step runs on the batch's unpadded tokens
+    (`unpad_batch`, where "vaswani_sdpa" is the attention), and in fp32 the output projection and the loss are fused
+    (`cpu_projected_cross_entropy`) where `lm_head` is a plain `nn.Linear` without bias. Anything else runs the model's
+    own `forward`."""
+    from .modeling_vaswani import check_labels, cross_entropy_loss  # imported lazily: modeling imports this file
+
+    plain = model.forward
+
+    @functools.wraps(plain)
+    def forward(*args, labels=None, num_items_in_batch=None, **kwargs):
+        if labels is None or not model.training:
+            return plain(*args, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
+        if args or kwargs.get("return_dict") is False or any(kwargs.get(name) for name in (
+                "output_attentions", "output_hidden_states", "use_cache")):
+            outputs = plain(*args, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
+            loss = cross_entropy_loss(outputs[1], labels, num_items_in_batch, label_smoothing)
+            return (loss, *outputs[1:]) if isinstance(outputs, tuple) else Seq2SeqLMOutput(**{**outputs, "loss": loss})
+        kwargs.pop("return_dict", None)
+        if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
+            kwargs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels)
+        unpadded = None
+        if (labels.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+                and model.config._attn_implementation == "vaswani_sdpa"):
+            unpadded = unpad_batch(kwargs, labels)
+        if unpadded is not None:
+            kwargs, labels = unpadded
+        hidden = model.model(**kwargs, use_cache=False, return_dict=True).last_hidden_state  # (B, T, D) or (1, N, D)
+        head, loss = model.lm_head, None
+        if hidden.device.type == "cpu" and type(head) in (nn.Linear, OneDNNLinear) and head.bias is None \
+                and _plain(head):
+            check_labels(labels, head.out_features)
+            labelled = labels.reshape(-1).ne(-100).nonzero()[:, 0]
+            divisor = len(labelled) if num_items_in_batch is None else num_items_in_batch
+            divisor = divisor.clamp(min=1) if torch.is_tensor(divisor) else max(divisor, 1)  # no labels: 0, not NaN
+            loss = cpu_projected_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).index_select(0, labelled),
+                                               head.weight, labels.reshape(-1)[labelled], label_smoothing, divisor)
+        if loss is None:
+            loss = cross_entropy_loss(head(hidden), labels, num_items_in_batch, label_smoothing)
+        return Seq2SeqLMOutput(loss=loss)
+
+    return forward
 
 
-class RealTokens:
-    """The real positions of a padded `(B, L)` batch, so that a CPU training step skips the padding.
+@contextlib.contextmanager
+def training_fast_paths(model: nn.Module, label_smoothing: float = 0.1):
+    """A training run's forward and, for a model on a CPU, its fast paths (see the module docstring), installed for
+    the duration of the run and undone on exit. The training commands' trainer and loop run inside it.
 
-    Everything in a layer but attention is position-wise (the projections, the FFN, LayerNorm, dropout, the residual
-    adds), so it can run on the real tokens alone, packed as `(N, D)`, N the number of real positions: a
-    length-bucketed batch of Multi30k sentences is 10-15 % padding, and a step's matrix products shrink by as much.
-    Attention still runs on the padded `(B, L)` layout (`pad` before it, `pack` after it) with the usual masks.
-
-    What runs on which positions: the encoder keeps the positions its `attention_mask` marks 1; no real position
-    ever reads a padded one (they are masked as keys). The decoder keeps, in each row, the positions up to the last
-    one with a label (`labels != -100`): a causal decoder never lets a position read later ones, so the kept
-    positions compute exactly what they compute in the padded batch. Padded positions' outputs (encoder states,
-    decoder states and logits) are then zeros instead of values nothing uses.
-
-    Used by `modeling_vaswani.py` only in training mode on a CPU in eager mode, without attention probabilities or
-    hidden states asked for, and only when the batch has padding and every row keeps at least one position (a
-    fully padded source row falls back to the padded layout, which defines what it attends to); `RealTokens.enabled
-    = False` turns it off. Finding the real positions reads the mask (a host sync on a GPU, a data-dependent shape
-    under `torch.compile` or export), which is why GPUs, compiled and exported graphs keep the padded layout.
+    Args:
+        model: a `VaswaniForConditionalGeneration` (or a PEFT model around one), on the device it trains on.
+        label_smoothing: epsilon_ls of §5.4 (0.1 in the paper), in [0, 1).
+    Raises:
+        ValueError: `label_smoothing` outside [0, 1).
     """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1) (the paper trains with 0.1), got {label_smoothing}.")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
 
-    enabled = True
+    def install():
+        base.forward = training_forward(base, label_smoothing)
+        swapped, undo_attention = [], lambda: None
+        if next(base.parameters()).device.type == "cpu":
+            undo_attention = _attention(base)
+            swapped = [(_swap(own_modules(base, nn.Dropout), CPUDropout), nn.Dropout),
+                       (_swap(own_modules(base, nn.Linear), OneDNNLinear), nn.Linear)]
 
-    def __init__(self, keep: torch.Tensor):
-        self.batch, self.length = keep.shape
-        flat = keep.reshape(-1)
-        self.index = flat.nonzero().squeeze(1)  # (N,) positions in the flattened (B * L) layout
-        self.left_out = (~flat).nonzero().squeeze(1)
+        def undo():
+            del base.forward
+            undo_attention()
+            for modules, cls in swapped:
+                _swap(modules, cls)
+        return undo
 
-    @classmethod
-    def of(cls, keep: torch.Tensor | None, module: nn.Module, keep_all: bool = False) -> "RealTokens | None":
-        """`RealTokens` for the `(B, L)` mask `keep` (nonzero: real) when `module` trains on a CPU in eager mode and
-        packing leaves something out (or, with `keep_all`, also when it leaves nothing out); else `None` (the padded
-        layout)."""
-        if (not cls.enabled or keep is None or keep.dim() != 2 or not module.training
-                or keep.device.type != "cpu" or torch.compiler.is_compiling() or torch.jit.is_tracing()):
-            return None
-        keep = keep.bool()
-        if (bool(keep.all()) and not keep_all) or not bool(keep.any(1).all()):
-            return None
-        return cls(keep)
-
-    @classmethod
-    def of_labels(cls, labels: torch.Tensor | None, module: nn.Module) -> "RealTokens | None":
-        """`of` for a decoder trained on `labels` `(B, T)`: each row keeps its positions up to its last label."""
-        if labels is None or labels.dim() != 2 or labels.device.type != "cpu":
-            return None
-        return cls.of(labels.ne(-100).flip(1).cumsum(1).flip(1) > 0, module)
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, L, ...)` -> `(N, ...)`: the real positions, in order."""
-        return _Pack.apply(x.reshape(self.batch * self.length, *x.shape[2:]), self).view(-1, *x.shape[2:])
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """`(N, ...)` -> `(B, L, ...)`, zeros at the left-out positions."""
-        return _Pad.apply(x, self).view(self.batch, self.length, *x.shape[1:])
-
-    def _scatter(self, x: torch.Tensor) -> torch.Tensor:
-        """`(N, ...)` -> `(B * L, ...)` with zeros elsewhere, writing each element once."""
-        full = x.new_empty(self.batch * self.length, *x.shape[1:])
-        return full.index_fill_(0, self.left_out, 0.0).index_copy_(0, self.index, x)
-
-
-class _Pack(torch.autograd.Function):
-    """`RealTokens.pack` on `(B * L, ...)`; its gradient is `pad`'s forward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tokens: RealTokens) -> torch.Tensor:
-        ctx.tokens = tokens
-        return x.index_select(0, tokens.index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.tokens._scatter(grad.contiguous()), None
-
-
-class _Pad(torch.autograd.Function):
-    """`RealTokens.pad` to `(B * L, ...)`; its gradient is `pack`'s forward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tokens: RealTokens) -> torch.Tensor:
-        ctx.tokens = tokens
-        return tokens._scatter(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.reshape(grad.shape[0], -1).index_select(0, ctx.tokens.index).view(-1, *grad.shape[1:]), None
+    with _installed(base, "training", install):
+        yield

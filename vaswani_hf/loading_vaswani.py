@@ -2,8 +2,8 @@
 
 - `VaswaniLoadingMixin`: `from_pretrained` reading safetensors only and refusing weights that cannot be right (an
   unreadable file, NaN or infinity, a tensor missing from or foreign to a local folder), converting checkpoints written
-  with fused attention input projections, untying the shared embedding on request (its tensor copied into each
-  embedding and `lm_head`), and leaving the weights packed for `generate()` out of copies and training;
+  with fused attention input projections, and untying the shared embedding on request (its tensor copied into each
+  embedding and `lm_head`);
 - `split_fused_projections`: `qkv_proj` / `kv_proj` checkpoint keys as the `q_proj`, `k_proj`, `v_proj` of §3.2.2.
 
 It imports only torch, transformers and safetensors: transformers copies it beside the model code (relative imports)
@@ -269,16 +269,6 @@ def _with_tied_names(cls, config: PretrainedConfig, state_dict: dict[str, torch.
 
 class VaswaniLoadingMixin:
     """What `VaswaniPreTrainedModel` adds to `PreTrainedModel`'s loading and copying; placed before it in the bases."""
-
-    def train(self, mode: bool = True):
-        if mode:  # training will change the weights: weights packed for generate() are dropped (kernels_vaswani)
-            self.__dict__.pop("_packed_cpu_linears", None)
-        return super().train(mode)
-
-    def __getstate__(self):  # copy.deepcopy and pickle: weights packed for generate() are not part of the model
-        state = dict(super().__getstate__())
-        state.pop("_packed_cpu_linears", None)
-        return state
 
     def mark_tied_weights_as_initialized(self, loading_info):
         """transformers' step before initializing the weights a checkpoint lacks: it flags every tied parameter as

@@ -1,22 +1,24 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as a transformers model.
 
-The file reads top to bottom like §3 of the paper:
+The file reads top to bottom like the paper, and runs as it reads:
 
-    §5.4    residual dropout .................. apply_dropout, residual_dropout
-    §3.5    positional encoding ............... VaswaniSinusoidalPositionalEncoding, VaswaniLearnedPositionalEmbedding
+    §3.5    positional encoding ............... sinusoidal_table, VaswaniSinusoidalPositionalEncoding
     §3.2    attention ......................... eager_attention_forward (Eq. 1), VaswaniAttention (multi-head, §3.2.2)
-    §3.2.3  masks ............................. _padding_mask, _causal_mask
-    §3.1    encoder and decoder layers ........ VaswaniEncoderLayer, VaswaniDecoderLayer (with the FFN of §3.3, Eq. 2)
+    §3.2.3  masks ............................. padding_mask, causal_mask
+    §3.1    encoder and decoder layers ........ VaswaniEncoderLayer, VaswaniDecoderLayer (FFN of §3.3, Eq. 2; residual
+                                                dropout of §5.4; Add & Norm)
     §3.1    the two stacks .................... VaswaniEncoder, VaswaniDecoder
     §3.4    shared embeddings and softmax ..... VaswaniModel, VaswaniForConditionalGeneration
-    §5.4    loss (label smoothing on request) . VaswaniForConditionalGeneration.forward, .loss
+    §5.4    label-smoothed cross-entropy ...... cross_entropy_loss
 
-Beside it, each copied to the Hub with it and loaded there with `trust_remote_code=True` (relative imports):
-`configuration_vaswani.py` (the config), `kernels_vaswani.py` (CPU kernels: the cheaper dropout mask, CPU attention,
-oneDNN linears, training on the real tokens of a padded batch), `generation_vaswani.py` (`generate()` with the paper's
-decoding, §6.1, the in-place KV cache and beam search without finished sentences) and `loading_vaswani.py`
-(`from_pretrained`'s checks and old-checkpoint conversion). They import only torch, transformers, safetensors and each
-other.
+Speed enters from outside, through what transformers and torch provide, and computes what this file computes:
+`kernels_vaswani.py` holds the CPU fast paths (an attention function registered with transformers'
+`AttentionInterface`, linear and dropout modules swapped in for a training run or a `generate()` call, a fused output
+projection and loss), `generation_vaswani.py` the decoding (`generate()` with the paper's beam search, the KV cache,
+finished sentences left out of beam search). A model you build or load is made of plain `nn.Linear`, `nn.Dropout` and
+`nn.LayerNorm` modules. Beside this file, and copied to the Hub with it for `trust_remote_code=True`:
+`configuration_vaswani.py`, `generation_vaswani.py`, `kernels_vaswani.py`, `loading_vaswani.py`; they import only
+torch, transformers, safetensors and each other.
 
 Shapes in comments: B batch, S source length, T target length (new tokens), P past (cached) target length,
 D d_model, H heads, Dh = D / H, V vocabulary.
@@ -42,18 +44,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
-from .generation_vaswani import CACHE_NAME, VaswaniGenerationMixin, VaswaniSelfAttentionCache, _one_cache, group_queries
-from .kernels_vaswani import (
-    CPUDropout,
-    CPUDropoutAdd,
-    RealTokens,
-    VaswaniLinear,
-    cpu_attention_forward,
-    cpu_projected_cross_entropy,
-    is_plain_linear,
-    linear,
-    new_linear,
-)
+from .generation_vaswani import CACHE_NAME, VaswaniGenerationMixin, VaswaniSelfAttentionCache, one_cache
 from .loading_vaswani import VaswaniLoadingMixin
 
 
@@ -68,31 +59,6 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     shifted = labels.new_full(labels.shape, decoder_start_token_id)
     shifted[:, 1:] = labels[:, :-1]
     return shifted.masked_fill(shifted == -100, pad_token_id)
-
-
-# §5.4 Residual dropout ------------------------------------------------------------------------------------------------
-
-
-def apply_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout (§5.4: rate `p` on every sublayer output and on the embedding sums): in training, each element is
-    zeroed with probability `p` and the rest are scaled by 1 / (1 - p); the identity otherwise. Same semantics as
-    `F.dropout`, which runs on GPUs and under `torch.compile`; on a CPU `CPUDropout` (kernels_vaswani.py) draws the
-    mask cheaply."""
-    if not training or p == 0.0:
-        return x
-    if x.device.type == "cpu" and 0.0 < p < 1.0 and not torch.compiler.is_compiling():
-        return CPUDropout.apply(x, p)
-    return F.dropout(x, p=p, training=True)
-
-
-def residual_dropout(residual: torch.Tensor, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """`residual + apply_dropout(x, p, training)`: a sublayer's output, dropped out (§5.4), added to its input (§3.1).
-    `residual` and `x` are `(..., D)` of one shape. On a CPU in training `CPUDropoutAdd` (kernels_vaswani.py) does
-    both in fewer passes over memory, with the same distribution, scale and gradients."""
-    if (training and 0.0 < p < 1.0 and x.device.type == "cpu" and residual.shape == x.shape
-            and not torch.compiler.is_compiling()):
-        return CPUDropoutAdd.apply(residual, x, p)
-    return residual + apply_dropout(x, p, training)
 
 
 # §3.5 Positional encoding ---------------------------------------------------------------------------------------------
@@ -169,52 +135,48 @@ class VaswaniLearnedPositionalEmbedding(nn.Embedding):
             )
 
 
-def _embed_positions(embed_positions: nn.Module, start, length, needed, device) -> torch.Tensor:
-    """Encodings `(length, D)` of positions `start, ..., start + length - 1`; the table must hold `needed` positions.
+def embed_positions(table: nn.Module, position_ids: torch.Tensor | None, start, length: int, needed,
+                    device: torch.device) -> torch.Tensor:
+    """Encodings of `position_ids` (`(B, L)`), or of positions `start, ..., start + length - 1` (`(L, D)`).
 
-    `start` is an int (or a 0-dim tensor, with transformers' static cache); `needed` an int, or a symbolic size while
-    tracing. In eager mode the table grows (or learned positions refuse) here; when compiling or exporting, a
+    The table must hold `needed` positions (an int; a symbolic size while tracing; with `position_ids`, their largest
+    plus one). In eager mode the table grows (or learned positions refuse) here; when compiling or exporting, a
     `torch._check` states the bound instead, with no host sync and no data-dependent branch."""
     if torch.compiler.is_compiling():
-        if not torch.is_tensor(needed):
-            torch._check(needed <= embed_positions.weight.shape[0])
+        if not torch.is_tensor(needed) and position_ids is None:
+            torch._check(needed <= table.weight.shape[0])
+    elif position_ids is not None:
+        if position_ids.numel():
+            table.reserve(int(position_ids.max()) + 1)
     else:
-        embed_positions.reserve(int(needed))
-    return embed_positions(torch.arange(length, device=device) + start)
-
-
-def _positional_encoding(config: VaswaniConfig) -> nn.Module:
-    if config.position_embedding_type == "learned":
-        return VaswaniLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
-    return VaswaniSinusoidalPositionalEncoding(config.max_position_embeddings, config.d_model, config.max_positions)
+        table.reserve(int(needed))
+    return table(position_ids if position_ids is not None else torch.arange(length, device=device) + start)
 
 
 # §3.2 Attention -------------------------------------------------------------------------------------------------------
 
 
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention, softmax(Q K^T / sqrt(d_k)) V (§3.2.1, Eq. 1), written out.
 
     Args:
         query: `(B, H, Tq, Dh)`; key, value: `(B, H, Tk, Dh)`.
-        attention_mask: additive `(B, 1, Tq, Tk)` mask, 0 where attending and a large negative number elsewhere.
+        attention_mask: additive `(B, 1, Tq, Tk)` mask, 0 where attending and a large negative number elsewhere;
+            `None` for none, where a causal module (`module.is_causal`, the decoder's self-attention) still hides
+            later positions, as `is_causal` does in torch's SDPA.
     Returns:
         output `(B, Tq, H, Dh)` and attention probabilities `(B, H, Tq, Tk)`.
     """
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
+    if attention_mask is None and getattr(module, "is_causal", False) and query.shape[2] > 1:  # no later positions
+        attention_mask = additive_mask(torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1),
+                                       scores.dtype)
     if attention_mask is not None:
         scores = scores + attention_mask
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = apply_dropout(probs, p=dropout, training=module.training)
+    probs = F.dropout(probs, p=dropout, training=module.training)
     output = torch.matmul(probs, value).transpose(1, 2).contiguous()  # (B, Tq, H, Dh)
     return output, probs
 
@@ -223,159 +185,105 @@ class VaswaniAttention(nn.Module):
     """Multi-head attention (§3.2.2): MultiHead(Q, K, V) = Concat(head_1..head_h) W^O.
 
     Queries, keys and values have their own projections `q_proj`, `k_proj`, `v_proj` (D -> D each, the names PEFT
-    and every tutorial use); encoder-decoder attention (§3.2.3) projects queries from the decoder and keys and values
-    from the encoder output, which it computes once per `generate()` call and then reads from the cache. Inside
-    `generate()` on a CPU, `fused_inputs` holds the stacked projections that one input feeds (q|k|v for
-    self-attention, k|v for encoder-decoder attention) as one oneDNN-packed matrix, so that a decoding step multiplies
-    once instead of three (or two) times. The attention kernel comes from transformers' attention interface for
-    `config._attn_implementation`: "sdpa" (default) or "eager" (`eager_attention_forward` above, the reference, which
-    also runs whenever `output_attentions=True`), or any function registered with `AttentionInterface` that takes
-    additive `(B, 1, T_q, T_k)` masks.
+    and every tutorial use). Encoder-decoder attention (§3.2.3, `is_cross_attention`) projects queries from the
+    decoder and keys and values from the encoder output, computed once per `generate()` call and then read from the
+    cache. The attention itself is the function transformers' attention interface holds for
+    `config._attn_implementation`: "sdpa" (the default, torch's `scaled_dot_product_attention`), "eager"
+    (`eager_attention_forward` above, which also runs whenever `output_attentions=True`), or any function registered
+    with `AttentionInterface` that takes additive `(B, 1, T_q, T_k)` masks (kernels_vaswani.py registers one).
     """
 
     def __init__(self, config: VaswaniConfig, is_cross_attention: bool = False, is_causal: bool = False,
                  layer_idx: int | None = None):
         super().__init__()
         self.config = config
-        self.d_model = config.d_model
         self.num_heads = config.num_heads
         self.head_dim = config.d_model // config.num_heads
         self.scaling = self.head_dim**-0.5  # 1 / sqrt(d_k)
         self.dropout = config.attention_dropout
-        self.is_cross_attention = is_cross_attention
-        self.is_causal = is_causal
-        self.layer_idx = layer_idx
-        self.q_proj = new_linear(self.d_model, self.d_model)
-        self.k_proj = new_linear(self.d_model, self.d_model)
-        self.v_proj = new_linear(self.d_model, self.d_model)
-        self.out_proj = new_linear(self.d_model, self.d_model)
+        self.is_cross_attention, self.is_causal, self.layer_idx = is_cross_attention, is_causal, layer_idx
+        self.q_proj = nn.Linear(config.d_model, config.d_model)
+        self.k_proj = nn.Linear(config.d_model, config.d_model)
+        self.v_proj = nn.Linear(config.d_model, config.d_model)
+        self.out_proj = nn.Linear(config.d_model, config.d_model)
         for projection in (self.q_proj, self.k_proj, self.v_proj):  # W^Q, W^K, W^V: fairseq's initialization
             projection.is_attention_input = True
 
-    fused_inputs: VaswaniLinear | None = None  # set by `cpu_packed_linears` (not a submodule, not saved)
-
-    def _project(self, x: torch.Tensor, projections: tuple[nn.Module, ...], fused: bool,
-                 tokens: RealTokens | None = None) -> tuple[torch.Tensor, ...]:
-        """`(B, L, D)` (or the `(N, D)` real tokens of `tokens`) -> one `(B, H, L, Dh)` tensor per projection; with the
-        packed fused matrix when it applies."""
-        if fused and tokens is None and self.fused_inputs is not None and self.fused_inputs.uses_packed(x):
-            return self._heads(self.fused_inputs(x))
-        return tuple(self._head(linear(projection, x), tokens) for projection in projections)
-
-    def _head(self, x: torch.Tensor, tokens: RealTokens | None = None) -> torch.Tensor:
-        """`(B, L, D)`, or `(N, D)` real tokens of `tokens`, -> `(B, H, L, Dh)`."""
-        if tokens is not None:
-            x = tokens.pad(x)
-        return x.view(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        """`(B, L, n*D)` -> n tensors `(B, H, L, Dh)`."""
-        batch, length = x.shape[:2]
-        return x.view(batch, length, -1, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        output_attentions: bool = False,
-        tokens: RealTokens | None = None,
-        encoder_tokens: RealTokens | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values: Cache | None = None,
+                output_attentions: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """
         Args:
-            hidden_states: `(B, T, D)` queries (and keys/values for self-attention); or, with `tokens`, their `(N, D)`
-                real tokens (CPU training, `RealTokens`): the projections run on those, attention on the padded
-                `(B, T)` layout.
-            key_value_states: `(B, S, D)` encoder output for encoder-decoder attention, else `None`. It may also be
-                `(B / k, S, D)`: one encoder row shared by k consecutive decoder rows, as `generate()` passes it for
-                the k beams (or samples) of each sentence (see `group_queries`).
-            attention_mask: additive `(B, 1, T, T_k)` mask or `None` (`(B / k, 1, T, S)` with a shared encoder row).
-            past_key_values: an `EncoderDecoderCache` during incremental decoding.
-            encoder_tokens: with `tokens`, the real tokens of the `(N_S, D)` `key_value_states`.
+            hidden_states: `(B, T, D)` queries (and keys and values for self-attention).
+            key_value_states: `(B, S, D)` encoder output for encoder-decoder attention, else `None`.
+            attention_mask: additive `(B, 1, T, T_k)` mask, or `None`.
+            past_key_values: an `EncoderDecoderCache` (or a self-attention `Cache`) during incremental decoding.
+            kwargs: passed on to the attention function (transformers' attention kwargs).
         Returns:
-            `(B, T, D)` (with `tokens`: `(N, D)`) output and, if `output_attentions`, the `(B, H, T, T_k)` attention
-            probabilities.
+            `(B, T, D)` output and, if `output_attentions`, the `(B, H, T, T_k)` attention probabilities.
         """
-        batch, length = (tokens.batch, tokens.length) if tokens is not None else hidden_states.shape[:2]
-        groups = 1
-        if self.is_cross_attention:
-            query = self._head(linear(self.q_proj, hidden_states), tokens)
-            cache = past_key_values.cross_attention_cache if past_key_values is not None else None
-            if cache is not None and past_key_values.is_updated.get(self.layer_idx):
-                key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
-            else:
-                key, value = self._project(key_value_states, (self.k_proj, self.v_proj), fused=True,
-                                           tokens=encoder_tokens)
-                if cache is not None:
-                    key, value = cache.update(key, value, self.layer_idx)
+        batch, length = hidden_states.shape[:2]
+        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        cache = past_key_values
+        if isinstance(cache, EncoderDecoderCache):
+            cache = cache.cross_attention_cache if self.is_cross_attention else cache.self_attention_cache
+        if self.is_cross_attention and cache is not None and past_key_values.is_updated.get(self.layer_idx):
+            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values  # (B, H, S, Dh)
+        else:
+            states = key_value_states if self.is_cross_attention else hidden_states
+            key = self.k_proj(states).view(*states.shape[:2], -1, self.head_dim).transpose(1, 2)
+            value = self.v_proj(states).view(*states.shape[:2], -1, self.head_dim).transpose(1, 2)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)  # self-attention: (B, H, P + T, Dh)
+                if self.is_cross_attention:
                     past_key_values.is_updated[self.layer_idx] = True
-            if key.shape[0] != batch:
-                query, attention_mask, groups = group_queries(query, key, attention_mask)
-        else:
-            query, key, value = self._project(hidden_states, (self.q_proj, self.k_proj, self.v_proj), fused=True,
-                                              tokens=tokens)
-            if past_key_values is not None:
-                cache = past_key_values
-                if isinstance(cache, EncoderDecoderCache):
-                    cache = cache.self_attention_cache
-                key, value = cache.update(key, value, self.layer_idx)  # (B, H, P + T, Dh)
-
-        implementation = self.config._attn_implementation
-        attention: Callable
-        if output_attentions:  # attention probabilities exist only in the eager reference
-            attention = eager_attention_forward
-        elif implementation == "sdpa" and query.device.type == "cpu" and (
-                query.dtype in (torch.bfloat16, torch.float16) or (self.training and self.dropout > 0.0)):
-            # torch's CPU SDPA is slow in bf16 and draws a costly dropout mask; fp32 without attention dropout keeps
-            # SDPA, which reads the heads as strided views (benchmarks/bench_training_paths.py)
-            attention = cpu_attention_forward
-        else:
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        attention = attention_function(self.config, output_attentions)
         output, probs = attention(self, query, key, value, attention_mask, scaling=self.scaling,
                                   dropout=self.dropout if self.training else 0.0, **kwargs)
-        output = output.reshape(batch, length, self.d_model)  # (B / k, k * T, H, Dh) is (B, T, D)
-        if tokens is not None:
-            output = tokens.pack(output)  # (N, D)
-        output = linear(self.out_proj, output)
-        if output_attentions and groups > 1:  # (B / k, H, k * T, S) -> (B, H, T, S)
-            probs = probs.unflatten(2, (groups, length)).transpose(1, 2).flatten(0, 1)
+        output = self.out_proj(output.reshape(batch, length, -1))  # Concat(head_1..head_h) W^O
         return output, (probs if output_attentions else None)
+
+
+def attention_function(config: VaswaniConfig, output_attentions: bool = False) -> Callable:
+    """The attention function of `config._attn_implementation` (transformers' attention interface); the eager
+    reference where attention probabilities are asked for, which only it returns."""
+    if output_attentions:
+        return eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
 
 
 # §3.2.3 Masks: padding, and the future positions of the decoder -------------------------------------------------------
 
 
-def _padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, query_length: int) -> torch.Tensor | None:
+def additive_mask(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask (True: hidden) -> additive mask of its shape: 0 where attending, dtype's minimum elsewhere."""
+    return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(blocked, torch.finfo(dtype).min)
+
+
+def padding_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype, query_length: int) -> torch.Tensor | None:
     """`(B, L)` 1/0 mask -> additive `(B, 1, query_length, L)` mask (0 keep, dtype-min drop); `None` if no mask.
 
     Built whenever a mask is given, even one that keeps every position: deciding that would read the mask's values
     (a host sync, and a branch a traced or exported graph would freeze)."""
     if attention_mask is None:
         return None
-    return _additive(attention_mask[:, None, None, :].eq(0).expand(-1, 1, query_length, -1), dtype)
+    return additive_mask(attention_mask[:, None, None, :].eq(0).expand(-1, 1, query_length, -1), dtype)
 
 
-def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean mask (True: hidden) -> additive mask of its shape: 0 where attending, dtype's minimum elsewhere."""
-    return torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill(blocked, torch.finfo(dtype).min)
-
-
-def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, past, key_length: int,
-                 dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, past, key_length: int,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """Additive `(B, 1, T, K)` mask hiding future positions (§3.2.3) and padded keys.
 
     `past` is the number of cached positions (an int, or a 0-dim tensor for transformers' static cache), `key_length`
     K the number of keys attention sees: `past + T`, or the static cache's full length, whose unwritten slots lie in
     the future of every query. `attention_mask` is `(B, T)`, `(B, P + T)` or `(B, K)` (1 keep, 0 pad), or a ready
-    `(B, 1, T, K)` mask, boolean (True attends) or additive, as `generate()` builds for a static cache. `None` when one
-    new position attends to all keys, all of them real (incremental decoding with a dynamic cache needs no mask).
+    `(B, 1, T, K)` mask, boolean (True attends) or additive, as `generate()` builds for a static cache. `None` where
+    causality alone hides what must be hidden and no padding mask is given, with no cached positions: the attention
+    functions then mask the future of a causal module themselves (`is_causal`, as torch's SDPA does).
     """
     if attention_mask is not None and attention_mask.dim() == 4:
-        return _additive(~attention_mask, dtype) if attention_mask.dtype == torch.bool else attention_mask.to(dtype)
-    if length == 1 and attention_mask is None and isinstance(past, int) and key_length == past + length:
+        return additive_mask(~attention_mask, dtype) if attention_mask.dtype == torch.bool else attention_mask.to(dtype)
+    if attention_mask is None and isinstance(past, int) and key_length == past + length and (past == 0 or length == 1):
         return None
     query_pos = torch.arange(length, device=device) + past  # (T,)
     key_pos = torch.arange(key_length, device=device)  # (K,)
@@ -384,91 +292,110 @@ def _causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, p
         if attention_mask.shape[1] < key_length:  # a static cache's future slots: hidden by causality already
             attention_mask = F.pad(attention_mask, (0, key_length - attention_mask.shape[1]), value=1)
         blocked = blocked | attention_mask[:, None, None, -key_length:].eq(0)
-    return _additive(blocked.expand(batch, 1, length, key_length), dtype)
+    return additive_mask(blocked.expand(batch, 1, length, key_length), dtype)
 
 
 # §3.1 Encoder and decoder layers --------------------------------------------------------------------------------------
 
 
 class VaswaniEncoderLayer(GradientCheckpointingLayer):
-    """One encoder layer (§3.1): self-attention, then the position-wise FFN (§3.3, Eq. 2).
+    """One encoder layer (§3.1): self-attention, then the position-wise feed-forward network (§3.3, Eq. 2).
 
-    Each sublayer is wrapped as LayerNorm(x + Dropout(Sublayer(x))) (post-LN, the paper) or
-    x + Dropout(Sublayer(LayerNorm(x))) (pre-LN, `normalize_before=True`): `sublayer_input`, then `add_and_norm`.
+    Each sublayer's output is dropped out (§5.4) and added to its input, then normalized: LayerNorm(x +
+    Dropout(Sublayer(x))), Figure 1's "Add & Norm" (post-LN, the paper). With `normalize_before=True` (pre-LN) a
+    sublayer reads LayerNorm(x) instead, and the sum is not normalized.
     """
 
     def __init__(self, config: VaswaniConfig):
         super().__init__()
         self.normalize_before = config.normalize_before
-        self.dropout = config.dropout
-        self.activation_dropout = config.activation_dropout
         self.self_attn = VaswaniAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.fc1 = nn.Linear(config.d_model, config.d_ff)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model)
         self.activation_fn = ACT2FN[config.activation_function]
-        self.fc1 = new_linear(config.d_model, config.d_ff)
-        self.fc2 = new_linear(config.d_ff, config.d_model)
         self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """FFN(x) = max(0, x W1 + b1) W2 + b2 (§3.3, Eq. 2); `(B, L, D)` -> `(B, L, D)`."""
-        x = self.activation_fn(linear(self.fc1, x))
-        x = apply_dropout(x, p=self.activation_dropout, training=self.training)
-        return linear(self.fc2, x)
-
-    def sublayer_input(self, hidden_states: torch.Tensor, layer_norm: nn.LayerNorm) -> torch.Tensor:
-        """What a sublayer reads: x itself (post-LN, the paper), or LayerNorm(x) (pre-LN)."""
-        return layer_norm(hidden_states) if self.normalize_before else hidden_states
-
-    def add_and_norm(self, residual: torch.Tensor, output: torch.Tensor, layer_norm: nn.LayerNorm) -> torch.Tensor:
-        """Figure 1's "Add & Norm": LayerNorm(x + Dropout(Sublayer(x))) (§3.1, §5.4); pre-LN returns the sum."""
-        hidden_states = residual_dropout(residual, output, self.dropout, self.training)
-        return hidden_states if self.normalize_before else layer_norm(hidden_states)
+        self.dropout = nn.Dropout(config.dropout)
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 output_attentions: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(B, S, D)` -> `(B, S, D)`, and the self-attention probabilities if `output_attentions`. With `tokens=`
-        (a `RealTokens`, CPU training) the hidden states are the `(N, D)` real tokens only."""
-        output, attn = self.self_attn(self.sublayer_input(hidden_states, self.self_attn_layer_norm),
-                                      attention_mask=attention_mask, output_attentions=output_attentions, **kwargs)
-        hidden_states = self.add_and_norm(hidden_states, output, self.self_attn_layer_norm)
-        output = self.feed_forward(self.sublayer_input(hidden_states, self.final_layer_norm))
-        return self.add_and_norm(hidden_states, output, self.final_layer_norm), attn
+        """`(B, S, D)` -> `(B, S, D)`, and the self-attention probabilities if `output_attentions`."""
+        pre_ln = self.normalize_before
+        # Self-attention, Add & Norm
+        residual = hidden_states
+        if pre_ln:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+        hidden_states, attn = self.self_attn(hidden_states, attention_mask=attention_mask,
+                                             output_attentions=output_attentions, **kwargs)
+        hidden_states = residual + self.dropout(hidden_states)
+        if not pre_ln:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+        # FFN(x) = max(0, x W1 + b1) W2 + b2 (Eq. 2), Add & Norm
+        residual = hidden_states
+        if pre_ln:
+            hidden_states = self.final_layer_norm(hidden_states)
+        hidden_states = self.fc2(self.activation_dropout(self.activation_fn(self.fc1(hidden_states))))
+        hidden_states = residual + self.dropout(hidden_states)
+        if not pre_ln:
+            hidden_states = self.final_layer_norm(hidden_states)
+        return hidden_states, attn
 
 
-class VaswaniDecoderLayer(VaswaniEncoderLayer):
-    """One decoder layer (§3.1): masked self-attention, encoder-decoder attention (§3.2.3), then the FFN."""
+class VaswaniDecoderLayer(GradientCheckpointingLayer):
+    """One decoder layer (§3.1): masked self-attention, encoder-decoder attention (§3.2.3), then the feed-forward
+    network (§3.3, Eq. 2), each wrapped in dropout (§5.4) and Add & Norm as in `VaswaniEncoderLayer`."""
 
     def __init__(self, config: VaswaniConfig, layer_idx: int):
-        super().__init__(config)
+        super().__init__()
+        self.normalize_before = config.normalize_before
         self.self_attn = VaswaniAttention(config, is_causal=True, layer_idx=layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.encoder_attn = VaswaniAttention(config, is_cross_attention=True, layer_idx=layer_idx)
         self.encoder_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.fc1 = nn.Linear(config.d_model, config.d_ff)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.activation_fn = ACT2FN[config.activation_function]
+        self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        output_attentions: bool = False,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`(B, T, D)` -> `(B, T, D)`, and self- and cross-attention probabilities if `output_attentions`. With
-        `tokens=` and `encoder_tokens=` (CPU training) the hidden and encoder states are `(N, D)` real tokens only."""
-        sublayers = (
-            (self.self_attn, self.self_attn_layer_norm, None, attention_mask),
-            (self.encoder_attn, self.encoder_attn_layer_norm, encoder_hidden_states, encoder_attention_mask),
-        )
-        attentions = []
-        for attention, layer_norm, key_value_states, mask in sublayers:
-            output, attn = attention(self.sublayer_input(hidden_states, layer_norm), key_value_states=key_value_states,
-                                     attention_mask=mask, past_key_values=past_key_values,
-                                     output_attentions=output_attentions, **kwargs)
-            hidden_states = self.add_and_norm(hidden_states, output, layer_norm)
-            attentions.append(attn)
-        output = self.feed_forward(self.sublayer_input(hidden_states, self.final_layer_norm))
-        return self.add_and_norm(hidden_states, output, self.final_layer_norm), attentions[0], attentions[1]
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, output_attentions: bool = False,
+                **kwargs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`(B, T, D)` -> `(B, T, D)`, and the self- and cross-attention probabilities if `output_attentions`."""
+        pre_ln = self.normalize_before
+        # Masked self-attention, Add & Norm
+        residual = hidden_states
+        if pre_ln:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+        hidden_states, self_attn = self.self_attn(hidden_states, attention_mask=attention_mask,
+                                                  past_key_values=past_key_values,
+                                                  output_attentions=output_attentions, **kwargs)
+        hidden_states = residual + self.dropout(hidden_states)
+        if not pre_ln:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+        # Encoder-decoder attention: queries from the decoder, keys and values from the encoder output, Add & Norm
+        residual = hidden_states
+        if pre_ln:
+            hidden_states = self.encoder_attn_layer_norm(hidden_states)
+        hidden_states, cross_attn = self.encoder_attn(hidden_states, key_value_states=encoder_hidden_states,
+                                                      attention_mask=encoder_attention_mask,
+                                                      past_key_values=past_key_values,
+                                                      output_attentions=output_attentions, **kwargs)
+        hidden_states = residual + self.dropout(hidden_states)
+        if not pre_ln:
+            hidden_states = self.encoder_attn_layer_norm(hidden_states)
+        # FFN (Eq. 2), Add & Norm
+        residual = hidden_states
+        if pre_ln:
+            hidden_states = self.final_layer_norm(hidden_states)
+        hidden_states = self.fc2(self.activation_dropout(self.activation_fn(self.fc1(hidden_states))))
+        hidden_states = residual + self.dropout(hidden_states)
+        if not pre_ln:
+            hidden_states = self.final_layer_norm(hidden_states)
+        return hidden_states, self_attn, cross_attn
 
 
 # Initialization and the common base -----------------------------------------------------------------------------------
@@ -507,7 +434,7 @@ class VaswaniPreTrainedModel(VaswaniLoadingMixin, PreTrainedModel):
         padding row, unit LayerNorms, and the sinusoidal table (a buffer that v5's meta-device loading leaves empty)."""
         d_model = self.config.d_model
         if isinstance(module, nn.Linear) and getattr(module, "is_attention_input", False):
-            # fairseq initializes q, k and v as separate (D, D) matrices, xavier-uniform with gain 1/sqrt(2):
+            # fairseq initializes W^Q, W^K, W^V as separate (D, D) matrices, xavier-uniform with gain 1/sqrt(2):
             # uniform(+-sqrt(6 / 4D)).
             bound = math.sqrt(6.0 / (4 * d_model))
             init.uniform_(module.weight, -bound, bound)
@@ -572,123 +499,127 @@ def check_input_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids")
         )
 
 
+def check_encoder_rows(config: VaswaniConfig, batch: int, rows: int, output_attentions: bool) -> None:
+    """Encoder-decoder attention needs one encoder row per decoder row; an attention function that declares
+    `shares_encoder_rows` (kernels_vaswani.py's, which `generate()` runs) also takes one row per k consecutive
+    decoder rows (a sentence's beams).
+
+    Raises:
+        ValueError: the rows do not pair up that way.
+    """
+    shared = getattr(attention_function(config, output_attentions), "shares_encoder_rows", False)
+    if rows != batch and not (shared and batch % rows == 0):
+        raise ValueError(
+            f"Encoder-decoder attention got {batch} decoder rows for {rows} encoder rows: pass one encoder row per "
+            f"decoder row (repeat_interleave the encoder output and its mask)"
+            + (", or k consecutive decoder rows per encoder row." if shared else "."))
+
+
 # §3.1 The encoder and decoder stacks ----------------------------------------------------------------------------------
 
 
-class VaswaniEncoder(nn.Module):
-    """The encoder (§3.1): embed x sqrt(d_model) + positional encoding, dropout, then N layers."""
+def _positional_encoding(config: VaswaniConfig) -> nn.Module:
+    if config.position_embedding_type == "learned":
+        return VaswaniLearnedPositionalEmbedding(config.max_position_embeddings, config.d_model)
+    return VaswaniSinusoidalPositionalEncoding(config.max_position_embeddings, config.d_model, config.max_positions)
 
-    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding, layers: list[nn.Module] | None = None):
+
+class VaswaniEncoder(nn.Module):
+    """The encoder (§3.1): embed x sqrt(d_model) + positional encoding, dropout (§5.4), then N layers."""
+
+    def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding):
         super().__init__()
         self.config = config
-        self.dropout = config.dropout
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.embed_tokens = embed_tokens
         self.embed_positions = _positional_encoding(config)
-        if layers is None:
-            layers = [VaswaniEncoderLayer(config) for _ in range(config.encoder_layers)]
-        self.layers = nn.ModuleList(layers)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([VaswaniEncoderLayer(config) for _ in range(config.encoder_layers)])
         self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> BaseModelOutput | tuple:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
+                output_attentions: bool = False, output_hidden_states: bool = False, return_dict: bool | None = None,
+                **kwargs) -> BaseModelOutput | tuple:
         """
         Args:
             input_ids: `(B, S)` source token ids, or `inputs_embeds` `(B, S, D)` (unscaled, like `embed_tokens`).
             attention_mask: `(B, S)`, 1 for tokens and 0 for padding.
+            position_ids: `(B, S)` positions of the tokens (default: 0, 1, ..., S - 1 in every row).
             return_dict: `False` returns the output's tuple (`config.return_dict` when `None`, True by default).
+            kwargs: passed on to the attention function.
         Returns:
             `BaseModelOutput` with `last_hidden_state` `(B, S, D)`; `hidden_states` (N + 1 tensors, the embeddings
-            first) and `attentions` (N tensors `(B, H, S, S)`) when asked for. In CPU training the layers run on the
-            real tokens only (`RealTokens`), and `last_hidden_state` is 0 at padded positions.
+            first) and `attentions` (N tensors `(B, H, S, S)`) when asked for.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("VaswaniEncoder: pass exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
             check_input_ids(input_ids, self.embed_tokens.num_embeddings, "input_ids")
             inputs_embeds = self.embed_tokens(input_ids)
-        batch, length = inputs_embeds.shape[:2]
-        positions = _embed_positions(self.embed_positions, 0, length, length, inputs_embeds.device)  # (S, D)
-        hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
-        mask = _padding_mask(attention_mask, hidden_states.dtype, length)
-        tokens = None if output_attentions or output_hidden_states else RealTokens.of(attention_mask, self)
-        if tokens is not None:
-            hidden_states = tokens.pack(hidden_states)  # (N, D)
-        hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
-
-        all_hidden, all_attn = [], []
+        length = inputs_embeds.shape[1]
+        positions = embed_positions(self.embed_positions, position_ids, 0, length, length, inputs_embeds.device)
+        hidden_states = self.dropout(inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype))
+        mask = padding_mask(attention_mask, hidden_states.dtype, length)
+        all_hidden, all_attn = (), ()
         for layer in self.layers:
             if output_hidden_states:
-                all_hidden.append(hidden_states)
-            hidden_states, attn = layer(hidden_states, mask, output_attentions=output_attentions, tokens=tokens)
-            if output_attentions:
-                all_attn.append(attn)
+                all_hidden += (hidden_states,)
+            hidden_states, attn = layer(hidden_states, mask, output_attentions=output_attentions, **kwargs)
+            all_attn += (attn,)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
-        if tokens is not None:
-            hidden_states = tokens.pad(hidden_states)  # (B, S, D)
-        if output_hidden_states:
-            all_hidden.append(hidden_states)
         output = BaseModelOutput(last_hidden_state=hidden_states,
-                                 hidden_states=tuple(all_hidden) if output_hidden_states else None,
-                                 attentions=tuple(all_attn) if output_attentions else None)
+                                 hidden_states=all_hidden + (hidden_states,) if output_hidden_states else None,
+                                 attentions=all_attn if output_attentions else None)
         return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
-class VaswaniDecoder(VaswaniEncoder):
-    """The decoder (§3.1): embed x sqrt(d_model) + positional encoding, dropout, then N layers that attend to
+class VaswaniDecoder(nn.Module):
+    """The decoder (§3.1): embed x sqrt(d_model) + positional encoding, dropout (§5.4), then N layers that attend to
     earlier target positions only and to the encoder output."""
 
     def __init__(self, config: VaswaniConfig, embed_tokens: nn.Embedding):
-        super().__init__(config, embed_tokens, [VaswaniDecoderLayer(config, i) for i in range(config.decoder_layers)])
+        super().__init__()
+        self.config = config
+        self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
+        self.embed_tokens = embed_tokens
+        self.embed_positions = _positional_encoding(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([VaswaniDecoderLayer(config, i) for i in range(config.decoder_layers)])
+        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.normalize_before else None
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        encoder_hidden_states: torch.Tensor | None = None,
-        encoder_attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool = False,
-        cache: Cache | None = None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        labels: torch.Tensor | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, inputs_embeds: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, use_cache: bool = False, cache: Cache | None = None,
+                output_attentions: bool = False, output_hidden_states: bool = False, return_dict: bool | None = None,
+                **kwargs) -> BaseModelOutputWithPastAndCrossAttentions | tuple:
         """
         Args:
-            input_ids: `(B, T)` target ids (the new ones only when `past_key_values` holds P earlier positions),
-                or `inputs_embeds` `(B, T, D)`.
+            input_ids: `(B, T)` target ids (the new ones only when the cache holds P earlier positions), or
+                `inputs_embeds` `(B, T, D)`.
             attention_mask: `(B, T)` or `(B, P + T)` target padding mask (1 keep, 0 pad); causality is implied.
             encoder_hidden_states: `(B, S, D)`; encoder_attention_mask: `(B, S)`.
-            labels: `(B, T)` labels of a training step (-100: no loss), only to know which positions it needs: in CPU
-                training the layers run on each row's positions up to its last label, and on real source tokens,
-                only (`RealTokens`); `last_hidden_state` is then 0 at the positions left out.
+            cache: `EncoderDecoderCache` for incremental decoding (`past_key_values=`, its name before transformers
+                5.24, is taken too; not both: ValueError).
+            position_ids: `(B, T)` positions of the tokens (default: P, P + 1, ..., P + T - 1 in every row).
             return_dict: `False` returns the output's tuple (`config.return_dict` when `None`, True by default).
+            kwargs: passed on to the attention function.
         Returns:
-            `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state` `(B, T, D)`, the cache (whichever
-            keyword brought it, `cache=` or `past_key_values=`, under the installed transformers' name, `CACHE_NAME`)
-            and when asked for `hidden_states`, `attentions` `(B, H, T, P + T)` and `cross_attentions` `(B, H, T, S)`
-            per layer.
+            `BaseModelOutputWithPastAndCrossAttentions` with `last_hidden_state` `(B, T, D)`, the cache (under the
+            installed transformers' name, `CACHE_NAME`) and when asked for `hidden_states`, `attentions`
+            `(B, H, T, P + T)` and `cross_attentions` `(B, H, T, S)` per layer.
         """
-        past_key_values = _one_cache(past_key_values, cache)
+        past_key_values = one_cache(past_key_values, cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("VaswaniDecoder: pass exactly one of decoder_input_ids or decoder_inputs_embeds.")
         if inputs_embeds is None:
             check_input_ids(input_ids, self.embed_tokens.num_embeddings, "decoder_input_ids")
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
+        if encoder_hidden_states is not None and encoder_hidden_states.shape[0] != batch:
+            check_encoder_rows(self.config, batch, encoder_hidden_states.shape[0], output_attentions)
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(VaswaniSelfAttentionCache(), DynamicCache())
         past, key_length = 0, length
@@ -698,44 +629,27 @@ class VaswaniDecoder(VaswaniEncoder):
                 else past + length
         # Positions past + 0..T-1; a static cache reserves its whole length (its `past` is a tensor).
         needed = past + length if isinstance(past, int) else key_length
-        positions = _embed_positions(self.embed_positions, past, length, needed, inputs_embeds.device)  # (T, D)
-        hidden_states = inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype)
-        self_mask = _causal_mask(attention_mask, batch, length, past, key_length, hidden_states.dtype,
-                                 hidden_states.device)
-        cross_mask = _padding_mask(encoder_attention_mask, hidden_states.dtype, length)
-        tokens = encoder_tokens = None
-        if past_key_values is None and not (output_attentions or output_hidden_states):
-            tokens = RealTokens.of_labels(labels, self)
-            encoder_tokens = RealTokens.of(encoder_attention_mask, self) if encoder_hidden_states is not None else None
-        if tokens is not None:
-            hidden_states = tokens.pack(hidden_states)  # (N, D)
-        if encoder_tokens is not None:
-            encoder_hidden_states = encoder_tokens.pack(encoder_hidden_states)  # (N_S, D)
-        hidden_states = apply_dropout(hidden_states, p=self.dropout, training=self.training)
-
-        all_hidden, all_self, all_cross = [], [], []
+        positions = embed_positions(self.embed_positions, position_ids, past, length, needed, inputs_embeds.device)
+        hidden_states = self.dropout(inputs_embeds * self.embed_scale + positions.to(inputs_embeds.dtype))
+        self_mask = causal_mask(attention_mask, batch, length, past, key_length, hidden_states.dtype,
+                                hidden_states.device)
+        cross_mask = padding_mask(encoder_attention_mask, hidden_states.dtype, length)
+        all_hidden, all_self, all_cross = (), (), ()
         for layer in self.layers:
             if output_hidden_states:
-                all_hidden.append(hidden_states)
+                all_hidden += (hidden_states,)
             hidden_states, self_attn, cross_attn = layer(
                 hidden_states, self_mask, encoder_hidden_states, encoder_attention_mask=cross_mask,
-                past_key_values=past_key_values if use_cache else None, output_attentions=output_attentions,
-                tokens=tokens, encoder_tokens=encoder_tokens)
-            if output_attentions:
-                all_self.append(self_attn)
-                all_cross.append(cross_attn)
+                past_key_values=past_key_values if use_cache else None, output_attentions=output_attentions, **kwargs)
+            all_self, all_cross = all_self + (self_attn,), all_cross + (cross_attn,)
         if self.layer_norm is not None:
             hidden_states = self.layer_norm(hidden_states)
-        if tokens is not None:
-            hidden_states = tokens.pad(hidden_states)  # (B, T, D)
-        if output_hidden_states:
-            all_hidden.append(hidden_states)
         output = BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states,
             **{CACHE_NAME: past_key_values if use_cache else None},
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            attentions=tuple(all_self) if output_attentions else None,
-            cross_attentions=tuple(all_cross) if output_attentions else None,
+            hidden_states=all_hidden + (hidden_states,) if output_hidden_states else None,
+            attentions=all_self if output_attentions else None,
+            cross_attentions=all_cross if output_attentions else None,
         )
         return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
@@ -773,45 +687,36 @@ class VaswaniModel(VaswaniPreTrainedModel):
             self.decoder.embed_tokens = value
         self.encoder.embed_tokens = value
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        decoder_input_ids: torch.LongTensor | None = None,
-        decoder_attention_mask: torch.Tensor | None = None,
-        encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        decoder_inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        cache: Cache | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        labels: torch.LongTensor | None = None,
-        **kwargs,
-    ) -> Seq2SeqModelOutput:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                decoder_input_ids: torch.LongTensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
+                encoder_outputs: BaseModelOutput | tuple | None = None, past_key_values: Cache | None = None,
+                inputs_embeds: torch.Tensor | None = None, decoder_inputs_embeds: torch.Tensor | None = None,
+                use_cache: bool | None = None, cache: Cache | None = None, output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                position_ids: torch.LongTensor | None = None, decoder_position_ids: torch.LongTensor | None = None,
+                **kwargs) -> Seq2SeqModelOutput:
         """
         Args:
             input_ids: `(B, S)` source ids; attention_mask: `(B, S)` (1 token, 0 padding).
             decoder_input_ids: `(B, T)` target ids starting with `decoder_start_token_id`.
-            labels: `(B, T)` labels of a training step, only to know which decoder positions it needs (see
-                `VaswaniDecoder.forward`); no loss is computed here.
             encoder_outputs: a previous encoder output to reuse (skips the encoder).
-            past_key_values: `EncoderDecoderCache` for incremental decoding; `cache=` as transformers >= 5.24 names it
+            cache: `EncoderDecoderCache` for incremental decoding; `past_key_values=` as transformers < 5.24 names it
                 (either name, not both: ValueError).
+            position_ids, decoder_position_ids: `(B, S)`, `(B, T)` token positions (default: counted from 0).
+            kwargs: passed on to the attention functions.
         Returns:
             `Seq2SeqModelOutput` with `last_hidden_state` `(B, T, D)` from the decoder and the encoder's output.
         """
-        past_key_values = _one_cache(past_key_values, cache)
+        past_key_values = one_cache(past_key_values, cache)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else self.config.output_hidden_states)
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                                           inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-                                           output_hidden_states=output_hidden_states, return_dict=True)
+                                           inputs_embeds=inputs_embeds, position_ids=position_ids,
+                                           output_attentions=output_attentions,
+                                           output_hidden_states=output_hidden_states, return_dict=True, **kwargs)
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -822,9 +727,9 @@ class VaswaniModel(VaswaniPreTrainedModel):
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
-            cache=past_key_values, inputs_embeds=decoder_inputs_embeds, use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, labels=labels,
-            return_dict=True)
+            cache=past_key_values, inputs_embeds=decoder_inputs_embeds, position_ids=decoder_position_ids,
+            use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+            return_dict=True, **kwargs)
         output = Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             **{CACHE_NAME: getattr(decoder_outputs, CACHE_NAME)},
@@ -840,16 +745,16 @@ class VaswaniModel(VaswaniPreTrainedModel):
 
 class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationMixin):
     """The whole Transformer: `VaswaniModel` plus the pre-softmax linear projection `lm_head` (§3.4), which shares
-    its weight with the embeddings (`tie_word_embeddings`), and the loss (label-smoothed on request, §5.4).
+    its weight with the embeddings (`tie_word_embeddings`), and the cross-entropy loss.
 
-    Its `generation_config` defaults to the paper's decoding (§6.1): beam 4, length penalty 0.6; `generate()` and its
-    hooks come from `VaswaniGenerationMixin` (generation_vaswani.py).
+    Its `generation_config` defaults to beam 4 with length penalty 0.6 (§6.1, the penalty as transformers applies it:
+    the score over |Y|^0.6); `generate()` and its hooks come from `VaswaniGenerationMixin` (generation_vaswani.py).
     """
 
     def __init__(self, config: VaswaniConfig):
         super().__init__(config)
         self.model = VaswaniModel(config)
-        self.lm_head = new_linear(config.d_model, config.decoder_vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.decoder_vocab_size, bias=False)
         if config.tie_word_embeddings:
             source = "model.shared.weight" if config.share_encoder_decoder_embeddings else \
                 "model.decoder.embed_tokens.weight"
@@ -858,29 +763,18 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
                 self._tied_weights_keys.update({"model.encoder.embed_tokens.weight": source,
                                                 "model.decoder.embed_tokens.weight": source})
         self.post_init()
-        self.generation_config = self.paper_generation_config(config)
+        self.generation_config = self.default_generation_config(config)
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        decoder_input_ids: torch.LongTensor | None = None,
-        decoder_attention_mask: torch.Tensor | None = None,
-        encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        decoder_inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        num_items_in_batch: int | torch.Tensor | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        skip_logits: bool | None = None,
-        **kwargs,
-    ) -> Seq2SeqLMOutput:
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                decoder_input_ids: torch.LongTensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
+                encoder_outputs: BaseModelOutput | tuple | None = None, past_key_values: Cache | None = None,
+                inputs_embeds: torch.Tensor | None = None, decoder_inputs_embeds: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, cache: Cache | None = None, use_cache: bool | None = None,
+                output_attentions: bool | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, position_ids: torch.LongTensor | None = None,
+                decoder_position_ids: torch.LongTensor | None = None,
+                num_items_in_batch: int | torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> Seq2SeqLMOutput:
         """
         Args:
             input_ids: `(B, S)` source ids; attention_mask: `(B, S)` (1 token, 0 padding).
@@ -891,71 +785,36 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             logits_to_keep: without `labels`, project only the last `logits_to_keep` target positions (an int; 0, the
                 default, keeps all) or the positions in a 1-D index tensor to the vocabulary. `generate()` passes 1,
                 which matters when the decoder starts from a forced prefix of several tokens. Ignored with `labels`.
-            label_smoothing (keyword, in `**kwargs`): epsilon of label smoothing for the loss; `None` (default) and 0
-                give the plain cross-entropy, as every transformers model returns. The training recipe passes
-                `config.label_smoothing` (0.1, §5.4) in training steps only, so evaluation losses stay unsmoothed.
-                Not a named parameter: `Trainer` takes every `forward` parameter named like "label" for a label.
-            skip_logits: whether the output leaves the logits out (`logits=None`), as Liger kernels' models and
-                Trainer name it. `None` (default): left out where the loss is fused with the output projection, which
-                never forms them: fp32 CPU training steps with `labels` in eager mode (`cpu_projected_cross_entropy`).
-                `False`: always returned (those steps then take the unfused path); `True`: never returned.
+            cache, position_ids, decoder_position_ids, kwargs: as `VaswaniModel.forward`.
         Returns:
-            `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions; `None` per `skip_logits`) and, with
-            `labels`, `loss`: the mean cross-entropy over labelled tokens (label-smoothed as torch defines it when
-            asked). A CPU training step computes only the positions it needs (`RealTokens`): logits are 0 where the
-            label is -100. The cache (`cache=` or `past_key_values=`) comes back under the installed version's name.
+            `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the plain
+            cross-entropy over labelled tokens (`cross_entropy_loss`), as every transformers model returns it; the
+            training commands train on the label-smoothed loss of §5.4 (kernels_vaswani.py). The cache (`cache=` or
+            `past_key_values=`) comes back under the installed version's name.
         Raises:
             ValueError: both `cache` and `past_key_values` given; `labels` outside the vocabulary.
         """
-        past_key_values = _one_cache(past_key_values, cache)
-        label_smoothing = kwargs.pop("label_smoothing", None) or 0.0
+        if "label_smoothing" in kwargs:
+            raise ValueError("forward() returns the plain cross-entropy and takes no label_smoothing: train on the "
+                             "label-smoothed loss of §5.4 with Trainer's label_smoothing_factor, or inside "
+                             "vaswani_hf.kernels_vaswani.training_fast_paths(model, label_smoothing).")
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
-                decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id,
-                                                       self.config.decoder_start_token_id)
-        # inside beam search, a decoding step computes the rows of open sentences only (generation_vaswani.py)
-        skipping = self._finished_sentences_step(decoder_input_ids, decoder_attention_mask, labels)
-        if skipping is not None:
-            decoder_input_ids, attention_mask, encoder_outputs = skipping.begin_step(
-                decoder_input_ids, attention_mask, encoder_outputs, past_key_values)
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
-            decoder_attention_mask=decoder_attention_mask, encoder_outputs=encoder_outputs, cache=past_key_values,
-            inputs_embeds=inputs_embeds, decoder_inputs_embeds=decoder_inputs_embeds, use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, labels=labels,
-            return_dict=True)
+            decoder_attention_mask=decoder_attention_mask, encoder_outputs=encoder_outputs,
+            cache=one_cache(past_key_values, cache), inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, position_ids=position_ids,
+            decoder_position_ids=decoder_position_ids, return_dict=True, **kwargs)
         hidden_states = outputs.last_hidden_state
         if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-            hidden_states = hidden_states[:, kept]
-        every_position = outputs.decoder_attentions is not None or outputs.decoder_hidden_states is not None
-        labelled = None
-        if labels is not None and not every_position:
-            labelled = RealTokens.of(labels.ne(-100), self, keep_all=skip_logits is not False)
-        loss = logits = None
-        if labelled is not None:  # CPU training: the output projection and the loss on labelled positions only
-            hidden_states, targets = labelled.pack(hidden_states), labels.reshape(-1)[labelled.index]  # (N, D), (N,)
-            head = self.lm_head
-            # Only the plain projection: an adapter (PEFT), a replaced module, a bias or a hook on lm_head computes
-            # something else than hidden @ weight.T, so it keeps its own forward.
-            if skip_logits is not False and is_plain_linear(head) and head.bias is None:
-                check_labels(targets, head.out_features)
-                loss = cpu_projected_cross_entropy(
-                    hidden_states, head.weight, targets, label_smoothing,
-                    targets.numel() if num_items_in_batch is None else num_items_in_batch)
-            if loss is None:
-                logits = linear(self.lm_head, hidden_states)  # (N, V)
-                loss = self.loss(logits[None], targets[None], num_items_in_batch, label_smoothing=label_smoothing)
-                logits = labelled.pad(logits) if not skip_logits else None  # (B, T, V)
-        else:
-            logits = linear(self.lm_head, hidden_states)  # (B, T, V)
-        if skipping is not None:
-            logits = skipping.end_step(past_key_values, logits)
-        if labels is not None and labelled is None:
-            loss = self.loss(logits, labels, num_items_in_batch, label_smoothing=label_smoothing)
-        if skip_logits:
-            logits = None
+            hidden_states = hidden_states[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int)
+                                          else logits_to_keep]
+        logits = self.lm_head(hidden_states)  # (B, T, V)
+        loss = None if labels is None else cross_entropy_loss(logits, labels, num_items_in_batch)
         output = Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
@@ -969,29 +828,41 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         )
         return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
-             label_smoothing: float = 0.0) -> torch.Tensor:
-        """Cross-entropy, label-smoothed by `label_smoothing` (§5.4 trains with 0.1), summed over labelled tokens and
-        divided by `num_items_in_batch` (default: the number of labels != -100 in `labels`). A batch without labelled
-        tokens has the sum over none, 0, as its loss (as fairseq's), still in the graph: a step on it changes nothing.
-        `logits` `(B, T, V)`, `labels` `(B, T)` -> scalar."""
-        labels = labels.to(logits.device)
-        check_labels(labels, logits.size(-1))
-        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                reduction="sum", label_smoothing=label_smoothing)
-        if num_items_in_batch is None:
-            num_items_in_batch = labels.ne(-100).sum()
-        if torch.is_tensor(num_items_in_batch):  # clamped: 0 / 0 would be NaN where the sum is 0
-            return total / num_items_in_batch.to(total.device).clamp(min=1)
-        return total / max(num_items_in_batch, 1)
-
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+
+# §5.4 Label smoothing -------------------------------------------------------------------------------------------------
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None,
+                       label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy of `logits` `(..., V)` against `labels` `(...)`, summed over the labelled tokens (-100: no loss)
+    and divided by `num_items_in_batch` (default: the number of labelled tokens in `labels`).
+
+    `label_smoothing` is epsilon_ls of §5.4 (0.1 in the paper's training): the target is (1 - epsilon) on the label and
+    epsilon spread evenly over the vocabulary, as torch's `F.cross_entropy` defines it; 0 (the default) gives the plain
+    cross-entropy that `forward` returns. A batch without labelled tokens has the sum over none, 0, as its loss (as
+    fairseq's), still in the graph: a step on it changes nothing.
+
+    Raises:
+        ValueError: a label outside `[0, V)` other than -100 (CPU tensors).
+    """
+    labels = labels.to(logits.device)
+    check_labels(labels, logits.size(-1))
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100,
+                            reduction="sum", label_smoothing=label_smoothing)
+    if num_items_in_batch is None:
+        num_items_in_batch = labels.ne(-100).sum()
+    if torch.is_tensor(num_items_in_batch):  # clamped: 0 / 0 would be NaN where the sum is 0
+        return total / num_items_in_batch.to(total.device).clamp(min=1)
+    return total / max(num_items_in_batch, 1)
 
 
 __all__ = [
     "VaswaniForConditionalGeneration",
     "VaswaniModel",
     "VaswaniPreTrainedModel",
+    "cross_entropy_loss",
     "sinusoidal_table",
 ]
