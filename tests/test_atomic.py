@@ -127,8 +127,8 @@ CHECKED_WRITES = {
                                                                       "temporary folder "
                                                                       "renamed when complete (or the run's folder)",
     ("vaswani_hf/averaging.py", "_write_model_folder", "write_text"): "through replace_file_atomically, as above",
-    ("vaswani_hf/export_ct2.py", "export_ct2", "save"): "into a staging folder, then os.replace",
-    ("vaswani_hf/visualization.py", "save_figure", "savefig"): "through replace_file_atomically",
+    ("vaswani_hf/decoding/ct2.py", "convert_to_ct2", "save"): "into a staging folder, then os.replace",
+    ("vaswani_hf/pictures/attention.py", "save_figure", "savefig"): "through replace_file_atomically",
     ("training/synthetic.py", "_write_jsonl", "open"): "into replace_file_atomically's temporary file",
     ("training/synthetic.py", "_write_text", "open"): "into two nested replace_file_atomically temporary files",
     # The final model folder of a training run is written by transformers (save_model / save_pretrained), file by

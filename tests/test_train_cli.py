@@ -41,7 +41,7 @@ from helpers import (
 from transformers import AutoModelForSeq2SeqLM
 
 from vaswani_hf.checks import CheckError, RunLock, read_json
-from vaswani_hf.inference import translate_sentences
+from vaswani_hf.decoding.translate import translate_sentences
 
 # End to end -----------------------------------------------------------------------------------------------------------
 

@@ -48,14 +48,14 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
     """
     from vaswani_hf.bleu import compute_bleu
     from vaswani_hf.data import multi30k_file, read_lines
-    from vaswani_hf.inference import translate_sentences
+    from vaswani_hf.decoding.translate import translate_sentences
 
     sources = [t[data_args.source_lang] for t in test_dataset["translation"]]
     references = [t[data_args.target_lang] for t in test_dataset["translation"]]
     start = time.perf_counter()
     generate_fn = None
     if length_penalty_style == "gnmt":
-        from vaswani_hf.decoding import paper_generate
+        from vaswani_hf.decoding.paper import paper_generate
 
         def generate_fn(m, input_ids, attention_mask=None, **_):
             return paper_generate(m, input_ids, attention_mask, num_beams=num_beams, alpha=length_penalty)

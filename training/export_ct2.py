@@ -10,7 +10,7 @@ Then translate with CTranslate2 directly:
     source = tokenizer.convert_ids_to_tokens(tokenizer("Ein Hund läuft.").input_ids)   # ends with </s>
     result = translator.translate_batch([source], beam_size=4, length_penalty=0.6, return_end_token=True)
 
-or with `vaswani_hf.export_ct2.ct2_translate(translator, tokenizer, sentences)`.
+or with `vaswani_hf.decoding.ct2_translate(translator, tokenizer, sentences)`.
 """
 
 from __future__ import annotations
@@ -41,15 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
     from vaswani_hf.checks import CheckError, check_model_folder
-    from vaswani_hf.export_ct2 import export_ct2
+    from vaswani_hf.decoding.ct2 import convert_to_ct2
 
     try:
         check_model_folder(args.model_dir)  # config, every JSON file, weights, tokenizer of the model's size
     except CheckError as error:
         raise SystemExit(f"error: {error}") from None
     try:
-        path = export_ct2(args.model_dir, args.output_dir, quantization=args.quantization,
-                          max_positions=args.max_positions, force=args.force)
+        path = convert_to_ct2(args.model_dir, args.output_dir, quantization=args.quantization,
+                              max_positions=args.max_positions, force=args.force)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as error:
         raise SystemExit(f"error: {error}") from None
     print(f"Exported {args.model_dir} to {path} ({args.quantization or 'float32'}).")

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
-    from vaswani_hf.inference import translate_sentences
+    from vaswani_hf.decoding.translate import translate_sentences
 
     from .atomic import write_lines_atomic
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(error)) from None
     generate_fn = None
     if args.length_penalty_style == "gnmt":
-        from vaswani_hf.decoding import paper_generate
+        from vaswani_hf.decoding.paper import paper_generate
 
         alpha = args.length_penalty if args.length_penalty is not None else 0.6
         beams = args.num_beams or 4

@@ -19,7 +19,7 @@ target vocabulary. Caches are one tensor each: `(L, 2, B, H, P, Dh)` for self-at
 encoder-decoder attention, keys at index 0 and values at index 1 of the second dimension.
 
 ```python
-from vaswani_hf.export_generation import beam_search, torch_export_generation
+from vaswani_hf.decoding.exported import beam_search, torch_export_generation
 
 encoder, step = torch_export_generation(model.eval(), max_length=64)
 tokens = beam_search(encoder.module(), step.module(), input_ids, attention_mask, max_length=64,
