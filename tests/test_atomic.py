@@ -116,8 +116,8 @@ CHECKED_WRITES = {
     ("training/atomic.py", "write_json_atomic.write", "dump"): "the atomic helper",
     ("training/atomic.py", "write_lines_atomic", "writelines"): "the atomic helper",
     ("training/prepare.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then os.replace",
-    ("training/export.py", "export_for_hub", "save_pretrained"): "into a mkdtemp folder, then os.replace",
-    ("training/export.py", "export_for_hub", "write_text"): "into the same mkdtemp folder",
+    ("training/publish.py", "write_hub_folder", "save_pretrained"): "into a mkdtemp folder, then os.replace",
+    ("training/publish.py", "write_hub_folder", "write_text"): "into the same mkdtemp folder",
     ("training/train_no_trainer.py", "save_checkpoint", "save_pretrained"): "into .tmp-checkpoint-<step>, renamed",
     ("training/train_no_trainer.py", "save_checkpoint", "save_state"): "into the same .tmp-checkpoint-<step>",
     ("training/train_no_trainer.py", "_run.save_model_hook", "save_pretrained"): "called by save_state into the tmp "

@@ -1,5 +1,5 @@
 """The demo page's logic without a browser (`vaswani_hf.pictures.demo`, `training/demo.py`'s `DemoPage`), and the
-Space that `vaswani-export --space` writes. The page in a real browser: tests/test_demo_browser.py."""
+Space that `vaswani-publish --space` writes. The page in a real browser: tests/test_demo_browser.py."""
 
 import math
 import os
@@ -266,12 +266,12 @@ print("RESULT=" + json.dumps({"text": translation.hypotheses[0].text, "served": 
 """
 
 
-def test_export_space_runs_from_the_folder_alone(model_folder, tmp_path):
+def test_the_published_space_runs_from_the_folder_alone(model_folder, tmp_path):
     from helpers import printed_result
 
-    from vaswani_training.export import export_for_hub
+    from vaswani_training.publish import write_hub_folder
 
-    folder = export_for_hub(model_folder, tmp_path / "space", space=True)
+    folder = write_hub_folder(model_folder, tmp_path / "space", space=True)
     names = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
     assert set(space_files()) <= names and {"app.py", "requirements.txt", "model.safetensors"} <= names
     requirements = (folder / "requirements.txt").read_text().splitlines()

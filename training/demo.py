@@ -12,8 +12,8 @@ sentence's positions; choosing a target token shades the source tokens it attend
 
 A thin Gradio layer over `vaswani_hf.pictures.demo`; needs `pip install 'vaswani-hf[demo]'`. Requests wait in Gradio's
 queue and `--concurrency` of them run at once; each is bounded (10,000 characters, 200 subword tokens, beam <= 12).
-Nothing is sent anywhere: Gradio's analytics are off and no share link is made. `vaswani-export --space` writes this
-page beside an exported model, as a Hugging Face Space.
+Nothing is sent anywhere: Gradio's analytics are off and no share link is made. `vaswani-publish --space` writes this
+page beside a published model, as a Hugging Face Space.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # read when gradio i
 
 try:  # the installed project
     from vaswani_hf.pictures import demo as core
-except ImportError:  # a Space folder written by `vaswani-export --space`: the same modules shipped beside this file
+except ImportError:  # a Space folder written by `vaswani-publish --space`: the same modules shipped beside this file
     from .pictures import demo as core
 
 CheckError = core.CheckError
@@ -205,10 +205,10 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
     return demo
 
 
-# What `vaswani-export --space` writes beside the model ---------------------------------------------------------------
+# What `vaswani-publish --space` writes beside the model --------------------------------------------------------------
 
 SPACE_PACKAGE = "vaswani_demo"  # the page and the vaswani_hf modules it uses, copied into the Space folder
-SPACE_APP = '''"""A Hugging Face Space: the vaswani-demo page of the model in this folder (vaswani-export --space).
+SPACE_APP = '''"""A Hugging Face Space: the vaswani-demo page of the model in this folder (vaswani-publish --space).
 
 The model loads from its own code files (trust_remote_code=True); the page's code is in {package}/.
 """
@@ -244,7 +244,7 @@ def space_requirements() -> list[str]:
 
 
 def space_files(source_lang: str = "de") -> dict[str, str]:
-    """The files a Space needs beside an exported model, by path relative to the folder: `app.py` (runs this page
+    """The files a Space needs beside a published model, by path relative to the folder: `app.py` (runs this page
     for the folder's model, loaded with `trust_remote_code=True`), `requirements.txt`, and `vaswani_demo/` holding this
     module as `page.py` with the `vaswani_hf` modules the page's core uses, in their folders: `checks.py`,
     `decoding/translate.py`, `pictures/attention.py` and `pictures/demo.py` (they import only each other, torch,

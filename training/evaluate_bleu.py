@@ -4,7 +4,7 @@ Multi30k, lowercased tokenized BLEU.
     vaswani-evaluate --model outputs/multi30k-de-en                  # Multi30k test2016, beam 4, lp 0.6
     vaswani-evaluate --model DIR --test_file data/test --source_lang de --target_lang en --output scores.json
 
-The metrics JSON records the fingerprint of the weights it scored (`weights_sha256`), so that `vaswani-export
+The metrics JSON records the fingerprint of the weights it scored (`weights_sha256`), so that `vaswani-publish
 --metrics` never pairs it with other weights. It never replaces another file of the model folder (a training run's
 metrics.json) nor another run's metrics.
 """

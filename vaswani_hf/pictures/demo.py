@@ -8,7 +8,7 @@ hypothesis is the command's translation for the same beam size and length penalt
 comes with matplotlib), drawn with the Agg backend.
 
 Imports only torch, matplotlib, Pillow and three modules of vaswani_hf (relatively): `checks.py`,
-`decoding/translate.py` and `pictures/attention.py`, so `vaswani-export --space` ships this file with those three,
+`decoding/translate.py` and `pictures/attention.py`, so `vaswani-publish --space` ships this file with those three,
 in the same folders, into a Space folder that has no vaswani_hf installed.
 """
 

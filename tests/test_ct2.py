@@ -1,4 +1,4 @@
-"""Conversion to CTranslate2 (vaswani_hf/decoding/ct2.py, training/export_ct2.py): same log-probabilities and
+"""Conversion to CTranslate2 (vaswani_hf/decoding/ct2.py, training/convert_ct2.py): same log-probabilities and
 token-identical greedy and beam outputs in float32; int8 weights close to float32 on every CPU.
 
 CTranslate2 picks its kernels by the CPU's instruction set (int8 products with AVX-512 VNNI or AVX2's saturating
@@ -28,14 +28,14 @@ from helpers import (
 try:
     import ctranslate2
 except ImportError as error:  # an optional dependency of the package, but a required one of the test suite
-    raise ImportError("tests/test_export_ct2.py needs ctranslate2: pip install ctranslate2 (it is in the dev "
+    raise ImportError("tests/test_ct2.py needs ctranslate2: pip install ctranslate2 (it is in the dev "
                       "extras: pip install -e '.[dev]').") from error
 
 
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.decoding.ct2 import build_ct2_spec, convert_to_ct2, ct2_translate
 from vaswani_hf.modeling_vaswani import sinusoidal_table
-from vaswani_training.export_ct2 import main as convert_main
+from vaswani_training.convert_ct2 import main as convert_main
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, COPY_VOCAB)]
 
@@ -275,7 +275,7 @@ def test_speed_benchmark_runs_and_agrees(trained):
 
 @pytest.mark.parametrize("where", ["same", "parent"])
 def test_ct2_conversion_never_replaces_the_model_folder(tiny_run, tmp_path, where):
-    from vaswani_training.export_ct2 import main as convert_ct2_main
+    from vaswani_training.convert_ct2 import main as convert_ct2_main
 
     source = copy_run(tiny_run, tmp_path)
     before = listing(source)
