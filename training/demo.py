@@ -159,7 +159,8 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
         state = gr.State(None)
         gr.Markdown(f"# {title}\nType or paste a sentence in the model's source language ({source_lang}): at most "
                     f"{core.MAX_CHARACTERS:,} characters and {core.MAX_SOURCE_TOKENS} subword tokens. Beam size 1 to "
-                    f"{core.MAX_BEAMS} (the paper's: 4, length penalty 0.6, §6.1).")
+                    f"{core.MAX_BEAMS} (the paper's: 4, length penalty 0.6, §6.1; the page applies the penalty as "
+                    f"transformers does, log-probability / length^penalty, not in the paper's GNMT form).")
         source = gr.Textbox(label="Source", lines=3, elem_id="source",
                             placeholder=EXAMPLE_SOURCES.get(source_lang, ""))
         with gr.Row():

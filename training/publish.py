@@ -11,7 +11,8 @@ The folder holds what `AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_
 
 - `model.safetensors` (the embedding shared by encoder, decoder and output projection stored once, §3.4),
   `config.json` with the `auto_map` that points the Auto classes at the code below, `generation_config.json`
-  (beam 4, length penalty 0.6, §6.1);
+  (beam 4, length penalty 0.6, §6.1; `generate()` applies it as transformers' |Y|^0.6, not as the paper's GNMT
+  penalty);
 - the five model code files (`configuration_vaswani.py`, `modeling_vaswani.py`, `loading_vaswani.py`,
   `generation_vaswani.py`, `kernels_vaswani.py`): the only code, importing nothing but torch, transformers, safetensors
   and each other;
