@@ -1,11 +1,11 @@
-"""Translation speed of the CTranslate2 export (float32 and int8) and of our model quantized to int8 in PyTorch
-against our `generate()`, on the same inputs.
+"""Translation speed of the model converted to CTranslate2 (float32 and int8) and of our model quantized to int8 in
+PyTorch against our `generate()`, on the same inputs.
 
 Two modes:
 
 * `--model_dir DIR`: a trained model folder with its tokenizer; the inputs are the first `--sentences` German
   sentences of the shipped Multi30k test set, decoded as the model decides (beam `--num_beams`, length penalty 0.6,
-  early stopping, at most the longest source of the batch + 50 tokens). Outputs of the float32 export are
+  early stopping, at most the longest source of the batch + 50 tokens). Outputs of the float32 conversion are
   token-identical to ours (the script reports the fraction that agree), so both engines do the same work.
 * otherwise a freshly initialized model of the given size (`--preset base` is the paper's base model with a
   vocabulary of `--vocab_size`; `--quick` a tiny one) fed random source ids; an untrained model never chooses
@@ -17,7 +17,7 @@ sentences per second, the ratios to ours and torch int8's ratio to CT2 int8; abs
 little. All run on the CPU with the same number of threads (`--threads`, default torch's). Torch int8 is our
 `generate()` on `torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)` (int8 weights with a
 scale per tensor, activations quantized per call); CT2 int8 is CTranslate2's `compute_type="int8"` on the float32
-export (weights quantized when loading, the same as exporting with `--quantization int8`).
+conversion (weights quantized when loading, the same as converting with `--quantization int8`).
 
     python benchmarks/bench_ct2.py --preset base --vocab_size 8000 --sentences 64 --new_tokens 30
     python benchmarks/bench_ct2.py --model_dir outputs/multi30k-de-en --sentences 200
@@ -79,10 +79,10 @@ def bench_ct2(
     repetitions: int = 3,
     engines: tuple[str, ...] = ENGINES,
 ) -> dict:
-    """Time our `generate()`, the same on the int8-quantized model and the CTranslate2 export on the same sources.
+    """Time our `generate()`, the same on the int8-quantized model and the CTranslate2 conversion on the same sources.
 
     Args:
-        model: the model (exported to a temporary folder here; quantized to a copy for "torch_int8").
+        model: the model (converted in a temporary folder here; quantized to a copy for "torch_int8").
         tokenizer: its tokenizer, with `sentences`; or `None` with `inputs` (lists of ids ending in `</s>`).
         new_tokens: force exactly this many output tokens in every engine (for untrained models); `None` lets the
             model stop at `</s>` (at most the longest source of the batch + 50 tokens).
@@ -93,7 +93,7 @@ def bench_ct2(
     """
     import ctranslate2
 
-    from vaswani_hf.export_ct2 import export_ct2
+    from vaswani_hf.decoding.ct2 import convert_to_ct2
 
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -119,7 +119,7 @@ def bench_ct2(
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(Path(tmp) / "model")
-        export_ct2(Path(tmp) / "model", Path(tmp) / "ct2", vocabulary=vocabulary)
+        convert_to_ct2(Path(tmp) / "model", Path(tmp) / "ct2", vocabulary=vocabulary)
         translators = {name: ctranslate2.Translator(str(Path(tmp) / "ct2"), device="cpu", intra_threads=threads,
                                                     inter_threads=1, compute_type=name.split("_")[1])
                        for name in engines if name.startswith("ct2_")}

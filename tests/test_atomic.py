@@ -116,8 +116,8 @@ CHECKED_WRITES = {
     ("training/atomic.py", "write_json_atomic.write", "dump"): "the atomic helper",
     ("training/atomic.py", "write_lines_atomic", "writelines"): "the atomic helper",
     ("training/prepare.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then os.replace",
-    ("training/export.py", "export_for_hub", "save_pretrained"): "into a mkdtemp folder, then os.replace",
-    ("training/export.py", "export_for_hub", "write_text"): "into the same mkdtemp folder",
+    ("training/publish.py", "write_hub_folder", "save_pretrained"): "into a mkdtemp folder, then os.replace",
+    ("training/publish.py", "write_hub_folder", "write_text"): "into the same mkdtemp folder",
     ("training/train_no_trainer.py", "save_checkpoint", "save_pretrained"): "into .tmp-checkpoint-<step>, renamed",
     ("training/train_no_trainer.py", "save_checkpoint", "save_state"): "into the same .tmp-checkpoint-<step>",
     ("training/train_no_trainer.py", "_run.save_model_hook", "save_pretrained"): "called by save_state into the tmp "
@@ -127,8 +127,8 @@ CHECKED_WRITES = {
                                                                       "temporary folder "
                                                                       "renamed when complete (or the run's folder)",
     ("vaswani_hf/averaging.py", "_write_model_folder", "write_text"): "through replace_file_atomically, as above",
-    ("vaswani_hf/export_ct2.py", "export_ct2", "save"): "into a staging folder, then os.replace",
-    ("vaswani_hf/visualization.py", "save_figure", "savefig"): "through replace_file_atomically",
+    ("vaswani_hf/decoding/ct2.py", "convert_to_ct2", "save"): "into a staging folder, then os.replace",
+    ("vaswani_hf/pictures/attention.py", "save_figure", "savefig"): "through replace_file_atomically",
     ("training/synthetic.py", "_write_jsonl", "open"): "into replace_file_atomically's temporary file",
     ("training/synthetic.py", "_write_text", "open"): "into two nested replace_file_atomically temporary files",
     # The final model folder of a training run is written by transformers (save_model / save_pretrained), file by

@@ -11,9 +11,15 @@ import pytest
 import sacrebleu
 from helpers import evaluate_cli, write
 
-from vaswani_hf.bleu import compute_bleu, load_bleu_metric, moses_lc_tokenize, paper_bleu, paper_tokenize
+from vaswani_hf.bleu import (
+    SACREBLEU_LOCAL_PATH,
+    compute_bleu,
+    load_bleu_metric,
+    moses_lc_tokenize,
+    paper_bleu,
+    paper_tokenize,
+)
 from vaswani_hf.data import multi30k_file, read_lines
-from vaswani_hf.metrics import SACREBLEU_LOCAL_PATH
 
 HYPS = ["hello there general kenobi", "on our way to ankh morpork"]
 REFS = [["hello there general kenobi", "hello there !"], ["goodbye ankh morpork", "ankh morpork"]]
@@ -202,12 +208,12 @@ def test_paper_bleu_equals_multi_bleu_on_pre_tokenized_multi30k():
 
 
 def test_evaluate_command_prints_and_writes_the_papers_bleu(model_folder, tmp_path, capsys, monkeypatch):
-    import vaswani_hf.inference
+    import vaswani_hf.decoding.translate
 
     prefix = tmp_path / "test"
     write(prefix.with_suffix(".en"), "The US team eats red-and-white food.\nA dog runs.\n")
     write(prefix.with_suffix(".de"), "\n".join(DE_REFS) + "\n")
-    monkeypatch.setattr(vaswani_hf.inference, "translate_sentences", lambda *args, **kwargs: list(DE_HYPS))
+    monkeypatch.setattr(vaswani_hf.decoding.translate, "translate_sentences", lambda *args, **kwargs: list(DE_HYPS))
     output = tmp_path / "scores.json"
     assert evaluate_cli("--model", model_folder, "--test_file", prefix, "--source_lang", "en", "--target_lang", "de",
                         "--output", output) == 0

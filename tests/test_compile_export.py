@@ -8,7 +8,7 @@
 - the checks the traced path no longer makes still run in eager mode (`check_input_ids`, the position table);
 - transformers' own ExecuTorch wrapper (`Seq2SeqLMExportableModule`) exports the encoder and the decoder with a static
   cache, and its greedy loop gives `generate()`'s greedy tokens;
-- a decoder step with its KV cache (`vaswani_hf.export_generation`), exported with `torch.export` and to ONNX through
+- a decoder step with its KV cache (`vaswani_hf.decoding.exported`), exported with `torch.export` and to ONNX through
   dynamo (run by onnxruntime): greedy and beam-4 loops over the exported graphs give `generate()`'s tokens on a trained
   copy model where beam search and greedy search disagree; a step that forgets its cache or a beam loop that does not
   reorder it are shown to miss.
@@ -223,7 +223,7 @@ def test_beam_differs_from_greedy_on_the_export_inputs(copy_generation):
 
 
 def test_exported_step_logits_equal_the_full_forward(copy_generation):
-    from vaswani_hf.export_generation import torch_export_generation
+    from vaswani_hf.decoding.exported import torch_export_generation
 
     model, ids, mask, greedy, _, _ = copy_generation
     encoder, step = (program.module() for program in torch_export_generation(model))
@@ -244,7 +244,7 @@ def test_exported_step_logits_equal_the_full_forward(copy_generation):
 
 
 def test_torch_export_greedy_and_beam_loops_give_generates_tokens(copy_generation):
-    from vaswani_hf.export_generation import beam_search, greedy_search, torch_export_generation
+    from vaswani_hf.decoding.exported import beam_search, greedy_search, torch_export_generation
 
     model, ids, mask, greedy, beam, tokens = copy_generation
     encoder, step = (program.module() for program in torch_export_generation(model))
@@ -260,7 +260,7 @@ def test_torch_export_greedy_and_beam_loops_give_generates_tokens(copy_generatio
 def test_onnx_exported_greedy_and_beam_loops_give_generates_tokens(copy_generation, tmp_path):
     pytest.importorskip("onnxscript", reason="ONNX export needs onnxscript: pip install 'vaswani-hf[onnx]'")
     pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'vaswani-hf[onnx]'")
-    from vaswani_hf.export_generation import (
+    from vaswani_hf.decoding.exported import (
         beam_search,
         greedy_search,
         onnx_export_generation,
@@ -279,7 +279,7 @@ def test_onnx_exported_greedy_and_beam_loops_give_generates_tokens(copy_generati
 
 def test_broken_caches_miss_generates_tokens(copy_generation):
     # Controls for the two tests above, on the unexported modules: what a wrong cache does to the tokens.
-    from vaswani_hf.export_generation import (
+    from vaswani_hf.decoding.exported import (
         VaswaniExportableDecoderStep,
         VaswaniExportableEncoder,
         beam_search,
@@ -310,7 +310,7 @@ def test_broken_caches_miss_generates_tokens(copy_generation):
 
 
 def test_exported_step_reaches_max_length_past_the_position_table():
-    from vaswani_hf.export_generation import greedy_search, torch_export_generation
+    from vaswani_hf.decoding.exported import greedy_search, torch_export_generation
 
     model = tiny_model(seed=1, max_position_embeddings=8)  # sinusoidal: the table grows to max_length first
     encoder, step = (program.module() for program in torch_export_generation(model, max_length=20,
@@ -327,7 +327,7 @@ def test_exported_step_reaches_max_length_past_the_position_table():
 
 
 def test_exporting_generation_refuses_a_model_in_training_mode():
-    from vaswani_hf.export_generation import VaswaniExportableDecoderStep, torch_export_generation
+    from vaswani_hf.decoding.exported import VaswaniExportableDecoderStep, torch_export_generation
 
     model = tiny_model(seed=1).train()
     with pytest.raises(ValueError, match=r"eval mode \(model.eval\(\)\): in training mode dropout"):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from helpers import EOS, PAD, copy_sources, trained_copy_model
 
-from vaswani_hf.decoding import (
+from vaswani_hf.decoding.paper import (
     FinishedHypotheses,
     SourceLengthLimitLogitsProcessor,
     beam_search_hypotheses,

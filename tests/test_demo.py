@@ -1,5 +1,5 @@
-"""The demo page's logic without a browser (`vaswani_hf.demo_core`, `training/demo.py`'s `DemoPage`), and the Space
-that `vaswani-export --space` writes. The page in a real browser: tests/test_demo_browser.py."""
+"""The demo page's logic without a browser (`vaswani_hf.pictures.demo`, `training/demo.py`'s `DemoPage`), and the
+Space that `vaswani-publish --space` writes. The page in a real browser: tests/test_demo_browser.py."""
 
 import math
 import os
@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import GERMAN, free_port, run_without_vaswani_hf, translate_cli
 
-from vaswani_hf import demo_core as core
 from vaswani_hf.checks import CheckError
-from vaswani_hf.visualization import attention_weights
+from vaswani_hf.pictures import demo as core
+from vaswani_hf.pictures.attention import attention_weights
 
 if os.environ.get("VASWANI_REQUIRE_DEV") != "1":
     pytest.importorskip("gradio", reason="the demo page needs gradio: pip install -e '.[demo]'")
@@ -252,10 +252,9 @@ import json, os, sys, urllib.request
 folder, port = sys.argv[1], int(sys.argv[2])
 sys.path.insert(0, folder)
 from vaswani_demo.page import build_demo, launch, load_model
-from vaswani_demo import demo_core
+from vaswani_demo.pictures import demo as core
 model, tokenizer = load_model(folder, trust_remote_code=True)
-translation = demo_core.translate_nbest(model, tokenizer, sys.argv[3], num_beams=4, length_penalty=0.6,
-                                        num_hypotheses=2)
+translation = core.translate_nbest(model, tokenizer, sys.argv[3], num_beams=4, length_penalty=0.6, num_hypotheses=2)
 demo = build_demo(model, tokenizer)
 url = launch(demo, host="127.0.0.1", port=port, block=False)
 with urllib.request.urlopen(url, timeout=30) as response:
@@ -267,12 +266,12 @@ print("RESULT=" + json.dumps({"text": translation.hypotheses[0].text, "served": 
 """
 
 
-def test_export_space_runs_from_the_folder_alone(model_folder, tmp_path):
+def test_the_published_space_runs_from_the_folder_alone(model_folder, tmp_path):
     from helpers import printed_result
 
-    from vaswani_training.export import export_for_hub
+    from vaswani_training.publish import write_hub_folder
 
-    folder = export_for_hub(model_folder, tmp_path / "space", space=True)
+    folder = write_hub_folder(model_folder, tmp_path / "space", space=True)
     names = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
     assert set(space_files()) <= names and {"app.py", "requirements.txt", "model.safetensors"} <= names
     requirements = (folder / "requirements.txt").read_text().splitlines()

@@ -38,7 +38,7 @@ if not REQUIRED:
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-from vaswani_hf import demo_core as core  # noqa: E402
+from vaswani_hf.pictures import demo as core  # noqa: E402
 from vaswani_training.demo import build_demo, launch, load_model  # noqa: E402
 
 

@@ -29,8 +29,8 @@ from transformers import (
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from vaswani_hf import VaswaniForConditionalGeneration
+from vaswani_hf.decoding.translate import translate_sentences
 from vaswani_hf.generation_vaswani import VaswaniSelfAttentionCache, VaswaniSelfAttentionCacheLayer
-from vaswani_hf.inference import translate_sentences
 
 SHORT = dict(max_new_tokens=8)
 
@@ -190,7 +190,7 @@ def test_text_in_text_out_with_the_tokenizer(tiny_tokenizer, parallel_text):
 
 
 def test_translation_pipeline_returns_text(tiny_tokenizer, parallel_text):
-    """`pipeline("translation")` works once vaswani_hf is imported (vaswani_hf.pipeline registers it again)."""
+    """`pipeline("translation")` works once vaswani_hf is imported (vaswani_hf.decoding.pipeline registers it again)."""
     from transformers import pipeline
 
     model = tiny_model(vocab_size=len(tiny_tokenizer))

@@ -30,7 +30,7 @@ from transformers import AutoModelForSeq2SeqLM, BartConfig, BartForConditionalGe
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
 from vaswani_hf.checks import CheckError, check_model_folder, read_json, safetensors_problem
-from vaswani_hf.inference import translate_sentences
+from vaswani_hf.decoding.translate import translate_sentences
 
 MODEL_CLASSES = (VaswaniModel, VaswaniForConditionalGeneration)
 

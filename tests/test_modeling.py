@@ -29,7 +29,7 @@ from transformers.utils import find_labels
 import vaswani_hf.configuration_vaswani as configuration_vaswani
 import vaswani_hf.modeling_vaswani as modeling
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
-from vaswani_hf.inference import translate_sentences
+from vaswani_hf.decoding.translate import translate_sentences
 from vaswani_hf.kernels_vaswani import training_fast_paths
 from vaswani_hf.modeling_vaswani import CACHE_NAME, cross_entropy_loss, shift_tokens_right, sinusoidal_table
 
@@ -254,7 +254,7 @@ def test_a_very_long_input_is_refused_before_its_attention_is_allocated(monkeypa
 
 
 def test_translate_sentences_refuses_an_over_long_sentence_before_any_batch(tiny_tokenizer, monkeypatch):
-    from vaswani_hf.inference import translate_sentences
+    from vaswani_hf.decoding.translate import translate_sentences
 
     calls = []
 

@@ -7,7 +7,7 @@ import torch
 from helpers import save_model_folder, tiny_model
 from transformers import pipeline
 
-from vaswani_hf.pipeline import TranslationPipeline, TranslationTaskError, parse_translation_task
+from vaswani_hf.decoding.pipeline import TranslationPipeline, TranslationTaskError, parse_translation_task
 
 GENERATE = dict(max_new_tokens=6, num_beams=2)
 

@@ -41,7 +41,7 @@ from helpers import (
 from transformers import AutoModelForSeq2SeqLM
 
 from vaswani_hf.checks import CheckError, RunLock, read_json
-from vaswani_hf.inference import translate_sentences
+from vaswani_hf.decoding.translate import translate_sentences
 
 # End to end -----------------------------------------------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ def test_the_wheel_installs_vaswani_hf_with_its_data_and_vaswani_training(tmp_pa
     commands = {"vaswani_training/" + p.relative_to(folder).as_posix() for p in folder.rglob("*")
                 if p.is_file() and p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts}
     assert "vaswani_training/accelerate_configs/cpu_2proc.yaml" in commands and commands <= names
-    # The model card template of vaswani-export: training/model_card.md links to the one at the repository root.
+    # The model card template of vaswani-publish: training/model_card.md links to the one at the repository root.
     assert archive.read("vaswani_training/model_card.md") == (ROOT / "model_card.md").read_bytes()
     entry_points = archive.read("vaswani_hf-0.1.0.dist-info/entry_points.txt").decode().split("[console_scripts]")[1]
     targets = [line.split(" = ")[1] for line in entry_points.split("\n") if " = " in line]
@@ -442,10 +442,10 @@ def test_a_resumed_run_with_too_few_checkpoints_to_average_is_refused_before_tra
 def test_a_resumed_run_stopped_in_its_test_translation_leaves_no_old_metrics_beside_new_weights(
         tiny_run, tmp_path, train_cache, monkeypatch):
     """A resumed run writes its model, then is killed while it translates the test set: the earlier metrics and
-    translations were moved aside first, so that the export publishes no BLEU for the new weights; put back, they are
+    translations were moved aside first, so that publishing shows no BLEU for the new weights; put back, they are
     refused."""
     import vaswani_training.evaluate_bleu
-    from vaswani_training.export import main as export_main
+    from vaswani_training.publish import main as publish_main
 
     source = copy_run(tiny_run, tmp_path)
     old_metrics = (source / "metrics.json").read_bytes()
@@ -461,13 +461,13 @@ def test_a_resumed_run_stopped_in_its_test_translation_leaves_no_old_metrics_bes
     assert not (source / "metrics.json").exists() and not (source / "test_translations.txt").exists()
     assert (source / "metrics.step-3.json").read_bytes() == old_metrics, "kept, under another name"
     assert (source / "test_translations.step-3.txt").read_bytes() == old_translations
-    exported = tmp_path / "export"
-    assert export_main(["--model_dir", str(source), "--output_dir", str(exported)]) == 0
-    readme = (exported / "README.md").read_text(encoding="utf-8")
+    published = tmp_path / "published"
+    assert publish_main(["--model_dir", str(source), "--output_dir", str(published)]) == 0
+    readme = (published / "README.md").read_text(encoding="utf-8")
     assert str(json.loads(old_metrics)["test_bleu_signature"]) not in readme and "model-index" not in readme
     assert "carries no record of how the model was trained" in readme
     (source / "metrics.json").write_bytes(old_metrics)  # a user puts the old file back
-    exits_with(lambda: export_main(["--model_dir", str(source), "--output_dir", str(tmp_path / "again")]),
+    exits_with(lambda: publish_main(["--model_dir", str(source), "--output_dir", str(tmp_path / "again")]),
                re.escape(f"{source / 'metrics.json'} does not describe the weights in {source}"), "vaswani-evaluate")
     assert not (tmp_path / "again").exists()
 
@@ -517,13 +517,13 @@ def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, train_
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler is given back after training"
 
 
-def test_the_hub_token_is_in_no_file_of_a_run_or_an_export(tiny_run, tmp_path):
-    from vaswani_training.export import main as export_main
+def test_the_hub_token_is_in_no_file_of_a_run_or_a_published_folder(tiny_run, tmp_path):
+    from vaswani_training.publish import main as publish_main
 
     out, _ = tiny_run
-    exported = tmp_path / "export"
-    assert export_main(["--model_dir", str(out), "--output_dir", str(exported), "--hub_token", PLANTED_TOKEN]) == 0
-    files = [p for folder in (out, exported) for p in folder.rglob("*") if p.is_file()]
+    published = tmp_path / "published"
+    assert publish_main(["--model_dir", str(out), "--output_dir", str(published), "--hub_token", PLANTED_TOKEN]) == 0
+    files = [p for folder in (out, published) for p in folder.rglob("*") if p.is_file()]
     assert any(p.name == "training_args.bin" for p in files), "the search covers Trainer's pickled arguments"
     leaked = [str(p) for p in files if PLANTED_TOKEN.encode() in p.read_bytes()]
     assert not leaked, f"the token was written to {leaked}"

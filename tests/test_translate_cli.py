@@ -23,18 +23,18 @@ from helpers import (
 from transformers import AutoModelForSeq2SeqLM
 
 from vaswani_hf import VaswaniForConditionalGeneration
-from vaswani_hf.inference import translate_sentences
+from vaswani_hf.decoding.translate import translate_sentences
 
 # Outputs, devices and the model folder, checked before anything is translated -----------------------------------------
 
 
 def test_translate_output_is_checked_before_translating(model_folder, tmp_path, monkeypatch):
-    import vaswani_hf.inference
+    import vaswani_hf.decoding.translate
 
     def never(*args, **kwargs):
         raise AssertionError("translated before checking --output")
 
-    monkeypatch.setattr(vaswani_hf.inference, "translate_sentences", never)
+    monkeypatch.setattr(vaswani_hf.decoding.translate, "translate_sentences", never)
     source = tmp_path / "in.de"
     source.write_text("Ein Hund.\n", encoding="utf-8")
     (tmp_path / "adir").mkdir()
@@ -118,7 +118,7 @@ def learned_folder(tmp_path, tiny_tokenizer):
 def test_the_commands_check_every_length_before_translating(learned_folder, tmp_path, tiny_tokenizer, monkeypatch):
     """A line too long for the learned positions near the end of the input is refused, naming its line, before the
     first batch is translated (nothing translated and thrown away)."""
-    import vaswani_hf.inference
+    import vaswani_hf.decoding.translate
 
     long_line = " ".join(GERMAN[:3])
     assert len(tiny_tokenizer(long_line)["input_ids"]) > 32
@@ -127,7 +127,7 @@ def test_the_commands_check_every_length_before_translating(learned_folder, tmp_
     def never(*args, **kwargs):
         raise AssertionError("translated before every length was checked")
 
-    monkeypatch.setattr(vaswani_hf.inference, "translate_sentences", never)
+    monkeypatch.setattr(vaswani_hf.decoding.translate, "translate_sentences", never)
     for style in ("hf", "gnmt"):
         exits_with(lambda: translate_cli("--model", learned_folder, "--input", source, "--output", tmp_path / "out",
                                          "--length_penalty_style", style),
@@ -140,7 +140,7 @@ def test_the_commands_check_every_length_before_translating(learned_folder, tmp_
 
 def test_paper_decoding_stops_where_learned_positions_end(learned_folder, tmp_path, tiny_tokenizer):
     """§6.1's input length + 50 would run past a 32-position table: the output stops at its end instead."""
-    from vaswani_hf.decoding import paper_generate
+    from vaswani_hf.decoding.paper import paper_generate
 
     model = VaswaniForConditionalGeneration.from_pretrained(learned_folder).eval()
     batch = tiny_tokenizer(GERMAN[:2], return_tensors="pt", padding=True)

@@ -10,10 +10,10 @@ attention of a chosen layer (as the paper's Figures 3-5), one head enlarged, and
 sentence's positions; choosing a target token shades the source tokens it attended to. The best hypothesis is
 `vaswani-translate`'s translation with the same settings (the same `generate()` call).
 
-A thin Gradio layer over `vaswani_hf.demo_core`; needs `pip install 'vaswani-hf[demo]'`. Requests wait in Gradio's
+A thin Gradio layer over `vaswani_hf.pictures.demo`; needs `pip install 'vaswani-hf[demo]'`. Requests wait in Gradio's
 queue and `--concurrency` of them run at once; each is bounded (10,000 characters, 200 subword tokens, beam <= 12).
-Nothing is sent anywhere: Gradio's analytics are off and no share link is made. `vaswani-export --space` writes this
-page beside an exported model, as a Hugging Face Space.
+Nothing is sent anywhere: Gradio's analytics are off and no share link is made. `vaswani-publish --space` writes this
+page beside a published model, as a Hugging Face Space.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ if __package__ in (None, ""):  # run as a file (python training/demo.py): import
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # read when gradio is imported: no usage reports
 
 try:  # the installed project
-    from vaswani_hf import demo_core as core
-except ImportError:  # a Space folder written by `vaswani-export --space`: the same modules shipped beside this file
-    from . import demo_core as core
+    from vaswani_hf.pictures import demo as core
+except ImportError:  # a Space folder written by `vaswani-publish --space`: the same modules shipped beside this file
+    from .pictures import demo as core
 
 CheckError = core.CheckError
 logger = logging.getLogger("vaswani_hf.demo")
@@ -65,7 +65,7 @@ class DemoPage:
     """What the page's events compute, as plain methods (tested without a browser); each returns the new values of
     its event's outputs, in order, and never raises: bad input becomes a message in the page (`status`) and a
     `gr.Warning`. Each browser tab's state (`gr.State`) is a dict: the `Translation`, the chosen hypothesis `index`
-    and its `maps` (`demo_core.hypothesis_attention`)."""
+    and its `maps` (`core.hypothesis_attention`)."""
 
     def __init__(self, model, tokenizer):
         import gradio as gr
@@ -159,7 +159,8 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
         state = gr.State(None)
         gr.Markdown(f"# {title}\nType or paste a sentence in the model's source language ({source_lang}): at most "
                     f"{core.MAX_CHARACTERS:,} characters and {core.MAX_SOURCE_TOKENS} subword tokens. Beam size 1 to "
-                    f"{core.MAX_BEAMS} (the paper's: 4, length penalty 0.6, §6.1).")
+                    f"{core.MAX_BEAMS} (the paper's: 4, length penalty 0.6, §6.1; the page applies the penalty as "
+                    f"transformers does, log-probability / length^penalty, not in the paper's GNMT form).")
         source = gr.Textbox(label="Source", lines=3, elem_id="source",
                             placeholder=EXAMPLE_SOURCES.get(source_lang, ""))
         with gr.Row():
@@ -205,10 +206,10 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
     return demo
 
 
-# What `vaswani-export --space` writes beside the model ---------------------------------------------------------------
+# What `vaswani-publish --space` writes beside the model --------------------------------------------------------------
 
 SPACE_PACKAGE = "vaswani_demo"  # the page and the vaswani_hf modules it uses, copied into the Space folder
-SPACE_APP = '''"""A Hugging Face Space: the vaswani-demo page of the model in this folder (vaswani-export --space).
+SPACE_APP = '''"""A Hugging Face Space: the vaswani-demo page of the model in this folder (vaswani-publish --space).
 
 The model loads from its own code files (trust_remote_code=True); the page's code is in {package}/.
 """
@@ -244,19 +245,27 @@ def space_requirements() -> list[str]:
 
 
 def space_files(source_lang: str = "de") -> dict[str, str]:
-    """The files a Space needs beside an exported model, by path relative to the folder: `app.py` (runs this page
+    """The files a Space needs beside a published model, by path relative to the folder: `app.py` (runs this page
     for the folder's model, loaded with `trust_remote_code=True`), `requirements.txt`, and `vaswani_demo/` holding this
-    module as `page.py` with `vaswani_hf`'s `demo_core`, `checks`, `inference` and `visualization` (they import only
-    each other, torch, matplotlib and Pillow), so the Space needs no vaswani_hf."""
+    module as `page.py` with the `vaswani_hf` modules the page's core uses, in their folders: `checks.py`,
+    `decoding/translate.py`, `pictures/attention.py` and `pictures/demo.py` (they import only each other, torch,
+    matplotlib and Pillow; each folder gets an `__init__.py` of its own that imports nothing), so the Space needs no
+    vaswani_hf."""
     from pathlib import Path
 
-    from vaswani_hf import checks, inference, visualization
+    from vaswani_hf import checks
+    from vaswani_hf.decoding import translate
+    from vaswani_hf.pictures import attention
 
-    files = {f"{SPACE_PACKAGE}/__init__.py": '"""The vaswani-demo page and the vaswani_hf modules it uses."""\n',
-             f"{SPACE_PACKAGE}/page.py": Path(__file__).read_text(encoding="utf-8")}
-    for module in (checks, core, inference, visualization):
-        files[f"{SPACE_PACKAGE}/{module.__name__.rsplit('.', 1)[1]}.py"] = Path(module.__file__).read_text(
-            encoding="utf-8")
+    package_doc = '"""The vaswani-demo page and the vaswani_hf modules it uses."""\n'
+    files = {f"{SPACE_PACKAGE}/__init__.py": package_doc, f"{SPACE_PACKAGE}/page.py": Path(__file__).read_text(
+        encoding="utf-8")}
+    for module in (checks, translate, attention, core):
+        # vaswani_hf.decoding.translate -> vaswani_demo/decoding/translate.py, beside an __init__.py of its own
+        *folders, name = module.__name__.split(".")[1:]
+        for depth in range(1, len(folders) + 1):
+            files.setdefault(f"{SPACE_PACKAGE}/{'/'.join(folders[:depth])}/__init__.py", package_doc)
+        files[f"{SPACE_PACKAGE}/{'/'.join([*folders, name])}.py"] = Path(module.__file__).read_text(encoding="utf-8")
     files["app.py"] = SPACE_APP.format(package=SPACE_PACKAGE, source_lang=source_lang)
     files["requirements.txt"] = "\n".join(space_requirements()) + "\n"
     return files

@@ -4,7 +4,7 @@ Multi30k, lowercased tokenized BLEU.
     vaswani-evaluate --model outputs/multi30k-de-en                  # Multi30k test2016, beam 4, lp 0.6
     vaswani-evaluate --model DIR --test_file data/test --source_lang de --target_lang en --output scores.json
 
-The metrics JSON records the fingerprint of the weights it scored (`weights_sha256`), so that `vaswani-export
+The metrics JSON records the fingerprint of the weights it scored (`weights_sha256`), so that `vaswani-publish
 --metrics` never pairs it with other weights. It never replaces another file of the model folder (a training run's
 metrics.json) nor another run's metrics.
 """
@@ -48,14 +48,14 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
     """
     from vaswani_hf.bleu import compute_bleu
     from vaswani_hf.data import multi30k_file, read_lines
-    from vaswani_hf.inference import translate_sentences
+    from vaswani_hf.decoding.translate import translate_sentences
 
     sources = [t[data_args.source_lang] for t in test_dataset["translation"]]
     references = [t[data_args.target_lang] for t in test_dataset["translation"]]
     start = time.perf_counter()
     generate_fn = None
     if length_penalty_style == "gnmt":
-        from vaswani_hf.decoding import paper_generate
+        from vaswani_hf.decoding.paper import paper_generate
 
         def generate_fn(m, input_ids, attention_mask=None, **_):
             return paper_generate(m, input_ids, attention_mask, num_beams=num_beams, alpha=length_penalty)

@@ -75,7 +75,7 @@ def plot_learning_curve(trainer_state: str | Path, output: str | Path, metric: s
     Raises:
         FileNotFoundError: no trainer_state.json. ValueError: it has no logged losses or metrics to draw.
     """
-    from vaswani_hf.visualization import new_figure, save_figure
+    from vaswani_hf.pictures.attention import new_figure, save_figure
 
     state_path = find_trainer_state(trainer_state)
     from vaswani_hf.checks import read_json
@@ -140,7 +140,7 @@ def _attention(args) -> list[Path]:
 
     from vaswani_hf import VaswaniForConditionalGeneration
     from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs
-    from vaswani_hf.visualization import attention_maps, plot_all_attention
+    from vaswani_hf.pictures.attention import attention_maps, plot_all_attention
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():

@@ -254,7 +254,7 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
         check_average_last_resumed(run.recipe.average_last, resume_from=checkpoint, output_dir=run.output_dir,
                                    max_steps=run.plan.max_steps, save_steps=save_steps, save_total_limit=limit)
     if push is not None:
-        from .export import check_hub_reachable
+        from .publish import check_hub_reachable
 
         check_hub_reachable(push.endpoint)
     return limit
@@ -550,10 +550,10 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     print(f"Model, tokenizer and metrics.json written to {output_dir}")
     print(f"Whole command: {metrics['command_minutes']} min" + (f" (time budget {budget:g} min)" if budget else ""))
     if push is not None and not stopped_by:
-        from .export import export_and_push
+        from .publish import write_and_push
 
-        export_and_push(output_dir, repo_id=push.repo_id, token=push.token, private=push.private,
-                        endpoint=push.endpoint)
+        write_and_push(output_dir, repo_id=push.repo_id, token=push.token, private=push.private,
+                       endpoint=push.endpoint)
     return metrics
 
 

@@ -4,7 +4,9 @@
     vaswani-translate --model outputs/multi30k-de-en --input sentences.de --output out.en --num_beams 4
 
 Reads one sentence a line (file or stdin), writes one translation a line (file, written atomically, or stdout).
-Decoding defaults to the paper's (§6.1): beam 4, length penalty 0.6, at most input length + 50 tokens.
+Decoding defaults to the model's `generate()`: beam 4 and length penalty 0.6 (the paper's values, §6.1), the penalty
+applied as transformers does (score / |Y|^0.6), at most input length + 50 tokens. `--length_penalty_style gnmt`
+decodes as the paper does (§6.1): GNMT's penalty, score / ((5 + |Y|) / 6)^0.6 (`vaswani_hf.decoding.paper_generate`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", default="-", help="Where translations go; '-' for stdout (default).")
     parser.add_argument("--num_beams", type=int, default=None, help="Beam size (default: the model's, 4).")
     parser.add_argument("--length_penalty", type=float, default=None,
-                        help="Length penalty alpha (default: the model's, 0.6).")
+                        help="Length penalty alpha (default: the model's, 0.6), applied as "
+                             "--length_penalty_style says.")
     parser.add_argument("--length_penalty_style", choices=["hf", "gnmt"], default="hf",
-                        help="hf: transformers' score / |Y|^alpha; gnmt: the paper's ((5+|Y|)/6)^alpha (§6.1).")
+                        help="hf (default): transformers' score / |Y|^alpha, as generate() applies it; gnmt: the "
+                             "paper's score / ((5+|Y|)/6)^alpha (§6.1).")
     parser.add_argument("--batch_size", type=int, default=64, help="Sentences per batch (default 64).")
     parser.add_argument("--max_new_tokens", type=int, default=None,
                         help="Maximum output length (default: input length + 50); both length penalty styles.")
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
-    from vaswani_hf.inference import translate_sentences
+    from vaswani_hf.decoding.translate import translate_sentences
 
     from .atomic import write_lines_atomic
 
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(error)) from None
     generate_fn = None
     if args.length_penalty_style == "gnmt":
-        from vaswani_hf.decoding import paper_generate
+        from vaswani_hf.decoding.paper import paper_generate
 
         alpha = args.length_penalty if args.length_penalty is not None else 0.6
         beams = args.num_beams or 4

@@ -7,8 +7,8 @@ Importing this package registers the model with transformers' Auto classes, so t
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from .configuration_vaswani import VaswaniConfig
+from .decoding.pipeline import register_translation_pipeline
 from .modeling_vaswani import VaswaniForConditionalGeneration, VaswaniModel, VaswaniPreTrainedModel
-from .pipeline import register_translation_pipeline
 from .tokenization_vaswani import train_joint_bpe
 
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
-"""Translating lists of sentences with a trained model: length-sorted batches through `generate()`, output in input
-order. Used by the training scripts' evaluation and by the `vaswani-translate` command."""
+"""Translating lists of sentences with a trained model: length-sorted batches through `generate()` (or another
+decoding function, such as the paper's in `paper.py`), output in input order. Used by the training scripts'
+evaluation, the `vaswani-translate` command and the demo page."""
 
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ def translate_sentences(
         model: a `VaswaniForConditionalGeneration` (or any seq2seq LM); it is put in eval mode.
         tokenizer: its tokenizer.
         batch_size: sentences per `generate()` call (default 64).
-        num_beams, length_penalty: default to the model's generation config (beam 4, 0.6 for paper models).
+        num_beams, length_penalty: default to the model's generation config (beam 4, 0.6 for paper models), the
+            penalty applied as `generate()` does: the score divided by |Y|^length_penalty.
         max_new_tokens: cap on output length; default: source length + 50 (§6.1).
         max_source_length: truncate sources to this many tokens (default: no truncation).
         generate_fn: `fn(model, input_ids=..., attention_mask=..., **kwargs) -> ids` to use instead of
-            `model.generate` (e.g. the paper's GNMT-penalty decoding in `vaswani_hf.decoding`).
+            `model.generate` (e.g. the paper's GNMT-penalty decoding, `vaswani_hf.decoding.paper_generate`).
         progress: optional callable taking the number of sentences just finished (e.g. a tqdm `update`).
     Raises:
         ValueError: an empty list, a non-string item, `batch_size` / `num_beams` / `max_new_tokens` /

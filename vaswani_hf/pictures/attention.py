@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from .checks import replace_file_atomically
+from ..checks import replace_file_atomically
 
 ATTENTION_KINDS = ("encoder", "decoder", "cross")
-_TITLES = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",
-           "cross": "encoder-decoder attention"}
+KIND_TITLES = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",
+               "cross": "encoder-decoder attention"}
 
-__all__ = ["ATTENTION_KINDS", "AttentionMaps", "attention_maps", "attention_weights", "new_figure",
+__all__ = ["ATTENTION_KINDS", "KIND_TITLES", "AttentionMaps", "attention_maps", "attention_weights", "new_figure",
            "plot_all_attention", "plot_attention", "save_figure"]
 
 
@@ -124,7 +124,7 @@ def attention_maps(model, tokenizer, source: str, target: str | None = None, lay
     input_ids = torch.tensor([tokenizer(source)["input_ids"]])
     start, eos = model.config.decoder_start_token_id, model.config.eos_token_id
     if target is None:
-        from .decoding import paper_generate
+        from ..decoding.paper import paper_generate
 
         device = next(model.parameters()).device
         generated = paper_generate(model, input_ids.to(device), num_beams=num_beams)[0].cpu()
@@ -205,7 +205,7 @@ def plot_attention(maps: AttentionMaps, kind: str, path: str | os.PathLike, head
         ax.set_xticklabels(cols, rotation=90, fontsize=fontsize)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels(rows if head % ncols == 0 else [], fontsize=fontsize)
-    figure.suptitle(f"{_TITLES[kind]}, layer {maps.layer + 1} of {maps.num_layers}", fontsize=11)
+    figure.suptitle(f"{KIND_TITLES[kind]}, layer {maps.layer + 1} of {maps.num_layers}", fontsize=11)
     figure.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight")
     return save_figure(figure, path, dpi=dpi)
 

@@ -1,7 +1,8 @@
-"""Write a Hub-ready folder from a trained model folder, and optionally upload it to the Hugging Face Hub.
+"""Publishing: write a Hub-ready folder from a trained model folder, and optionally upload it to the Hugging Face
+Hub.
 
-    vaswani-export --model_dir outputs/multi30k-de-en --output_dir outputs/hub/multi30k-de-en
-    vaswani-export --model_dir outputs/multi30k-de-en --output_dir outputs/hub/multi30k-de-en \\
+    vaswani-publish --model_dir outputs/multi30k-de-en --output_dir outputs/hub/multi30k-de-en
+    vaswani-publish --model_dir outputs/multi30k-de-en --output_dir outputs/hub/multi30k-de-en \\
         --push_to_hub --hub_model_id you/vaswani-multi30k-de-en
 
 (`vaswani-train --push_to_hub --hub_model_id you/NAME` does both at the end of training, into `output_dir/hub`.)
@@ -10,7 +11,8 @@ The folder holds what `AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_
 
 - `model.safetensors` (the embedding shared by encoder, decoder and output projection stored once, §3.4),
   `config.json` with the `auto_map` that points the Auto classes at the code below, `generation_config.json`
-  (beam 4, length penalty 0.6, §6.1);
+  (beam 4, length penalty 0.6, §6.1; `generate()` applies it as transformers' |Y|^0.6, not as the paper's GNMT
+  penalty);
 - the five model code files (`configuration_vaswani.py`, `modeling_vaswani.py`, `loading_vaswani.py`,
   `generation_vaswani.py`, `kernels_vaswani.py`): the only code, importing nothing but torch, transformers, safetensors
   and each other;
@@ -43,17 +45,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file (python training/export.py): import as vaswani_training
+if __package__ in (None, ""):  # run as a file (python training/publish.py): import as vaswani_training
     __package__ = "vaswani_training"
 
-logger = logging.getLogger("vaswani_hf.export")
+logger = logging.getLogger("vaswani_hf.publish")
 
-EXPORTED_CODE = ("configuration_vaswani.py", "generation_vaswani.py", "kernels_vaswani.py", "loading_vaswani.py",
+HUB_CODE_FILES = ("configuration_vaswani.py", "generation_vaswani.py", "kernels_vaswani.py", "loading_vaswani.py",
                  "modeling_vaswani.py")
 # training/model_card.md is a link to the template at the repository root, declared package data of vaswani_training:
 # the wheel holds its content.
 DEFAULT_TEMPLATE_NAME = "model_card.md"
-HUB_SUBFOLDER = "hub"  # where the training scripts export before pushing: <output_dir>/hub
+HUB_SUBFOLDER = "hub"  # where the training scripts write the folder before pushing: <output_dir>/hub
 LANGUAGE_NAMES = {"de": "German", "en": "English", "fr": "French", "cs": "Czech", "ro": "Romanian", "ru": "Russian",
                   "es": "Spanish", "it": "Italian", "nl": "Dutch", "tr": "Turkish", "zh": "Chinese", "ja": "Japanese"}
 EXAMPLE_SOURCES = {"de": "Zwei Hunde spielen im Schnee.", "en": "Two dogs are playing in the snow.",
@@ -162,7 +164,7 @@ def describe_data(data: dict[str, Any] | None, dataset: str | None, split: str =
 def describe_history(metrics: dict[str, Any]) -> dict[str, str]:
     """The model's history in words, for the card: `origin` ("trained from scratch", or "fine-tuned from `X`", with
     what X was trained on where its metrics.json was read), `data` (the training data, `describe_data`) and
-    `test_data`; each "" where metrics.json does not tell (an export without one)."""
+    `test_data`; each "" where metrics.json does not tell (a folder published without one)."""
     if "train_steps" not in metrics:
         origin = ""
     elif metrics.get("base_model"):
@@ -255,7 +257,7 @@ def check_metrics_match(metrics: dict[str, Any], path: Path, model_dir: Path) ->
 
 
 def check_hub_folder(folder: str | os.PathLike) -> None:
-    """Check what the export promises: the five model code files and no other code, config.json with auto_map,
+    """Check what a Hub-ready folder promises: the five model code files and no other code, config.json with auto_map,
     safetensors weights holding a shared embedding once, a tokenizer, generation config and README.
 
     Raises:
@@ -265,8 +267,8 @@ def check_hub_folder(folder: str | os.PathLike) -> None:
 
     folder = Path(folder)
     code = sorted(p.name for p in folder.rglob("*.py"))
-    if code != sorted(EXPORTED_CODE):
-        raise RuntimeError(f"{folder}: the code files are {code}, expected exactly {list(EXPORTED_CODE)} (did "
+    if code != sorted(HUB_CODE_FILES):
+        raise RuntimeError(f"{folder}: the code files are {code}, expected exactly {list(HUB_CODE_FILES)} (did "
                            f"the model code start importing another module?).")
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"):
         if not (folder / name).is_file():
@@ -283,10 +285,10 @@ def check_hub_folder(folder: str | os.PathLike) -> None:
             raise RuntimeError(f"{folder}/model.safetensors: expected the shared embedding once, found {embeddings}.")
 
 
-def export_for_hub(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, repo_id: str | None = None,
-                   metrics_file: str | os.PathLike | None = None, template: str | os.PathLike | None = None,
-                   license: str | None = None, force: bool = False, allow_inside: bool = False,
-                   space: bool = False) -> Path:
+def write_hub_folder(model_dir: str | os.PathLike, output_dir: str | os.PathLike, *, repo_id: str | None = None,
+                     metrics_file: str | os.PathLike | None = None, template: str | os.PathLike | None = None,
+                     license: str | None = None, force: bool = False, allow_inside: bool = False,
+                     space: bool = False) -> Path:
     """Write the Hub-ready folder of the trained model in `model_dir` (a `save_pretrained` folder with its tokenizer,
     e.g. a training output_dir) to `output_dir`.
 
@@ -370,7 +372,7 @@ def check_hub_reachable(endpoint: str | None = None, *, timeout: float = 10.0) -
 
     if constants.HF_HUB_OFFLINE:
         raise CheckError("--push_to_hub: HF_HUB_OFFLINE is set, so nothing could be uploaded. Unset it, or drop "
-                         "--push_to_hub and upload later with vaswani-export --push_to_hub.")
+                         "--push_to_hub and upload later with vaswani-publish --push_to_hub.")
     if endpoint:
         url, source = endpoint, "--hub_endpoint"
     elif os.environ.get("HF_ENDPOINT"):
@@ -438,14 +440,14 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, token: str | None = 
     return commit.commit_url
 
 
-def export_and_push(model_dir: str | os.PathLike, *, repo_id: str | None, token: str | None = None,
-                    private: bool | None = None, endpoint: str | None = None) -> str:
-    """What `--push_to_hub` of the training scripts does at the end: export `model_dir` to `model_dir/hub`
-    (replacing an earlier export) and upload that folder to `repo_id` (default: `model_dir`'s name, in the token's
-    namespace). Returns the commit URL."""
+def write_and_push(model_dir: str | os.PathLike, *, repo_id: str | None, token: str | None = None,
+                   private: bool | None = None, endpoint: str | None = None) -> str:
+    """What `--push_to_hub` of the training scripts does at the end: write the Hub-ready folder of `model_dir` to
+    `model_dir/hub` (replacing an earlier one) and upload that folder to `repo_id` (default: `model_dir`'s name, in the
+    token's namespace). Returns the commit URL."""
     model_dir = Path(model_dir)
     repo_id = repo_id or model_dir.resolve().name
-    folder = export_for_hub(model_dir, model_dir / HUB_SUBFOLDER, repo_id=repo_id, force=True, allow_inside=True)
+    folder = write_hub_folder(model_dir, model_dir / HUB_SUBFOLDER, repo_id=repo_id, force=True, allow_inside=True)
     return push_folder(folder, repo_id, token=token, private=private, endpoint=endpoint)
 
 
@@ -480,9 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.push_to_hub:  # before anything is written
             check_hub_reachable(args.hub_endpoint)
-        folder = export_for_hub(args.model_dir, args.output_dir, repo_id=repo_id, metrics_file=args.metrics,
-                                template=args.model_card_template, license=args.license, force=args.force,
-                                space=args.space)
+        folder = write_hub_folder(args.model_dir, args.output_dir, repo_id=repo_id, metrics_file=args.metrics,
+                                  template=args.model_card_template, license=args.license, force=args.force,
+                                  space=args.space)
     except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as error:
         raise SystemExit(f"error: {error}") from None
     print(f"Hub-ready folder: {folder}")

@@ -1,13 +1,13 @@
-"""Export a trained model to CTranslate2 (https://github.com/OpenNMT/CTranslate2), a C++ inference engine for
-Transformer models with int8 quantization, for fast CPU and GPU translation.
+"""Conversion of a trained model to CTranslate2 (https://github.com/OpenNMT/CTranslate2), a C++ inference engine for
+Transformer models with int8 quantization, for fast CPU and GPU translation; and translating with the converted model.
 
 CTranslate2 has no converter for this model, so `build_ct2_spec` fills its `TransformerSpec` directly, as
 its own fairseq and transformers (BART/Marian) converters do:
 
 - post-LN (§3.1) is `pre_norm=False`: every sublayer's LayerNorm follows the residual sum; `normalize_before=True`
-  models export as `pre_norm=True` with the final LayerNorm of each stack;
+  models convert to `pre_norm=True` with the final LayerNorm of each stack;
 - embeddings are multiplied by `sqrt(d_model)` (§3.4): `scale_embeddings`;
-- positions (§3.5) are exported as an explicit table. This model interleaves sines and cosines as the paper's
+- positions (§3.5) are written as an explicit table. This model interleaves sines and cosines as the paper's
   formula does (`PE(pos, 2i) = sin`, `PE(pos, 2i+1) = cos`); CTranslate2's built-in sinusoidal encoding is a
   different table (sines and cosines in two blocks, as in fairseq and OpenNMT; with it the log-probabilities of a
   test model move by up to 1.5 nats), so it is not used. The table has
@@ -39,23 +39,23 @@ from pathlib import Path
 
 import torch
 
-from .checks import swap_in_folder
-from .modeling_vaswani import sinusoidal_table
+from ..checks import swap_in_folder
+from ..modeling_vaswani import sinusoidal_table
 
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
-# Files a model folder may have that make the tokenizer loadable from the exported folder too.
+# Files a model folder may have that make the tokenizer loadable from the converted folder too.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_new": "GELUTanh", "silu": "SWISH", "swish": "SWISH",
                 "tanh": "Tanh"}
 
-__all__ = ["QUANTIZATIONS", "build_ct2_spec", "ct2_translate", "export_ct2", "vocabulary_from_tokenizer"]
+__all__ = ["QUANTIZATIONS", "build_ct2_spec", "convert_to_ct2", "ct2_translate", "vocabulary_from_tokenizer"]
 
 
 def _import_ctranslate2():
     try:
         import ctranslate2
     except ImportError as error:
-        raise ImportError("Exporting to CTranslate2 needs the ctranslate2 package: pip install ctranslate2 (or "
+        raise ImportError("Converting to CTranslate2 needs the ctranslate2 package: pip install ctranslate2 (or "
                           "pip install 'vaswani-hf[ct2]').") from error
     return ctranslate2
 
@@ -141,8 +141,8 @@ def build_ct2_spec(model, vocabulary: Sequence[str], max_positions: int | None =
         model: the model (any device and dtype; weights are copied as float32).
         vocabulary: tokens in id order, `len(vocabulary) == config.vocab_size` (see
             `vocabulary_from_tokenizer`); the target side uses the first `config.decoder_vocab_size`.
-        max_positions: rows of the exported sinusoidal table (default `config.max_position_embeddings`); sources
-            and outputs must fit in it. Learned positions export their own table.
+        max_positions: rows of the written sinusoidal table (default `config.max_position_embeddings`); sources
+            and outputs must fit in it. Learned positions keep their own table.
     Returns:
         the spec, not yet validated, quantized or saved.
     Raises:
@@ -204,7 +204,7 @@ def build_ct2_spec(model, vocabulary: Sequence[str], max_positions: int | None =
     return spec
 
 
-def export_ct2(
+def convert_to_ct2(
     model_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
     quantization: str | None = None,
@@ -223,7 +223,7 @@ def export_ct2(
         quantization: `None` (keep float32) or one of `QUANTIZATIONS`, e.g. `"int8"` for CPU inference.
             CTranslate2 can also convert at load time: `ctranslate2.Translator(path, compute_type="int8")`.
         vocabulary: tokens in id order, when `model_dir` has no tokenizer.
-        max_positions: rows of the exported position table (default `config.max_position_embeddings`).
+        max_positions: rows of the written position table (default `config.max_position_embeddings`).
         force: replace an existing `output_dir`; never one that is, contains or lies inside `model_dir`.
     Returns:
         `Path(output_dir)`.
@@ -233,7 +233,7 @@ def export_ct2(
             unknown quantization, no tokenizer and no `vocabulary`, a vocabulary that does not fit.
         ImportError: ctranslate2 is not installed.
     """
-    from .checks import check_output_dir, check_output_not_in_inputs
+    from ..checks import check_output_dir, check_output_not_in_inputs
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     # Replacing output_dir must never remove the model folder (a training run: checkpoints, metrics), force or not.
@@ -242,7 +242,7 @@ def export_ct2(
     _import_ctranslate2()
     from transformers import AutoTokenizer
 
-    from .modeling_vaswani import VaswaniForConditionalGeneration
+    from ..modeling_vaswani import VaswaniForConditionalGeneration
 
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"Unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}.")
@@ -284,7 +284,7 @@ def ct2_translate(
     max_len_b: int = 50,
     **translate_kwargs,
 ) -> list[str]:
-    """Translate `sentences` with a `ctranslate2.Translator` of an exported model.
+    """Translate `sentences` with a `ctranslate2.Translator` of a converted model (`convert_to_ct2`).
 
     Sources are tokenized with `tokenizer` (ending in `</s>`, as the model was trained); the decoding matches
     `model.generate(num_beams=beam_size, length_penalty=length_penalty, early_stopping=True)`: |Y| counts

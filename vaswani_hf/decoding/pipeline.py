@@ -188,3 +188,7 @@ def register_translation_pipeline() -> bool:
     if not getattr(PIPELINE_REGISTRY.check_task, "reads_translation_pairs", False):
         PIPELINE_REGISTRY.check_task = _with_translation_pairs(PIPELINE_REGISTRY.check_task)
     return True
+
+
+__all__ = ["TranslationPipeline", "TranslationTaskError", "declared_language_pairs", "parse_translation_task",
+           "register_translation_pipeline"]

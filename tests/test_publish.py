@@ -1,6 +1,6 @@
-"""The Hub export (training/export.py, model_card.md) and publishing: the folder holds exactly the Hub files, loads as
+"""Publishing (training/publish.py, model_card.md): the Hub-ready folder holds exactly the Hub files, loads as
 remote code where vaswani_hf cannot be imported and translates as the original; uploads (from training with
---push_to_hub, and from `vaswani-export --push_to_hub`) go to a stand-in for the Hub on 127.0.0.1 that keeps the
+--push_to_hub, and from `vaswani-publish --push_to_hub`) go to a stand-in for the Hub on 127.0.0.1 that keeps the
 Hub's rules (tests/hub_standin.py: weights through LFS, existing repositories, pull requests, private repositories,
 failures midway, downloads by repo id); the real Hub is never contacted."""
 
@@ -36,11 +36,11 @@ from transformers import AutoModelForSeq2SeqLM
 import vaswani_hf
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.checks import CheckError
-from vaswani_training.export import EXPORTED_CODE, export_for_hub, push_folder
-from vaswani_training.export import main as export_main
+from vaswani_training.publish import HUB_CODE_FILES, push_folder, write_hub_folder
+from vaswani_training.publish import main as publish_main
 
 HUB_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-             "tokenizer_config.json", *EXPORTED_CODE}
+             "tokenizer_config.json", *HUB_CODE_FILES}
 SENTENCES = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee vor einem Haus."]
 
 
@@ -73,9 +73,9 @@ def trained(tmp_path_factory, hub):
 
 
 @pytest.fixture(scope="module")
-def exported(trained, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("export") / "vaswani-tiny"
-    assert export_main(["--model_dir", str(trained), "--output_dir", str(folder),
+def published(trained, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("publish") / "vaswani-tiny"
+    assert publish_main(["--model_dir", str(trained), "--output_dir", str(folder),
                         "--hub_model_id", "someone/vaswani-tiny"]) == 0
     return folder
 
@@ -85,27 +85,27 @@ def front_matter(readme: str) -> dict:
     return yaml.safe_load(readme.split("---")[1])
 
 
-def test_export_holds_exactly_the_hub_files(exported, trained):
-    assert {p.name for p in exported.iterdir()} == HUB_FILES
+def test_the_folder_holds_exactly_the_hub_files(published, trained):
+    assert {p.name for p in published.iterdir()} == HUB_FILES
     package = Path(vaswani_hf.__file__).parent
-    for name in EXPORTED_CODE:
-        assert (exported / name).read_text() == (package / name).read_text()
-    config = json.loads((exported / "config.json").read_text())
+    for name in HUB_CODE_FILES:
+        assert (published / name).read_text() == (package / name).read_text()
+    config = json.loads((published / "config.json").read_text())
     assert config["auto_map"] == {"AutoConfig": "configuration_vaswani.VaswaniConfig",
                                   "AutoModel": "modeling_vaswani.VaswaniModel",
                                   "AutoModelForSeq2SeqLM": "modeling_vaswani.VaswaniForConditionalGeneration"}
-    with safe_open(str(exported / "model.safetensors"), framework="pt") as weights:
+    with safe_open(str(published / "model.safetensors"), framework="pt") as weights:
         shapes = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
     embeddings = [key for key, shape in shapes.items() if shape == [config["vocab_size"], config["d_model"]]]
     assert len(embeddings) == 1, f"one shared embedding tensor, found {embeddings}"
-    generation = json.loads((exported / "generation_config.json").read_text())
+    generation = json.loads((published / "generation_config.json").read_text())
     assert generation["num_beams"] == 4 and generation["length_penalty"] == 0.6
-    assert not list(exported.parent.glob(".*tmp*")), "no temporary folder left"
+    assert not list(published.parent.glob(".*tmp*")), "no temporary folder left"
 
 
-def test_model_card_carries_the_runs_metrics_and_usage(exported, trained):
+def test_model_card_carries_the_runs_metrics_and_usage(published, trained):
     metrics = json.loads((trained / "metrics.json").read_text())
-    readme = (exported / "README.md").read_text(encoding="utf-8")
+    readme = (published / "README.md").read_text(encoding="utf-8")
     meta = front_matter(readme)
     assert meta["language"] == ["de", "en"] and meta["datasets"] == ["multi30k"] and meta["metrics"] == ["bleu"]
     assert meta["license"] == "other" and meta["license_link"] == "https://github.com/multi30k/dataset"
@@ -141,7 +141,7 @@ REMOTE_SCRIPT = remote_code_script(
 )
 
 
-def test_export_loads_as_remote_code_and_translates_as_the_original(exported, trained, tmp_path):
+def test_the_folder_loads_as_remote_code_and_translates_as_the_original(published, trained, tmp_path):
     from transformers import AutoTokenizer
 
 
@@ -154,7 +154,7 @@ def test_export_loads_as_remote_code_and_translates_as_the_original(exported, tr
     with torch.no_grad():
         example_ids = original.generate(**example, max_new_tokens=example["input_ids"].shape[1] + 50)
 
-    completed = run_without_vaswani_hf(REMOTE_SCRIPT, exported, json.dumps(SENTENCES), cwd=exported.parent,
+    completed = run_without_vaswani_hf(REMOTE_SCRIPT, published, json.dumps(SENTENCES), cwd=published.parent,
                                        hf_home=tmp_path / "hf_home", timeout=600)
     result = printed_result(completed)
     assert_loaded_as_remote_code(result)
@@ -205,17 +205,17 @@ def test_remote_code_loads_by_repo_id_through_the_hub(trained, hub, tmp_path):
     head = hub.repos[repo_id].refs["main"]
     resolved = {path.rsplit("/", 1)[1] for server, _, path in served
                 if server == "hub" and re.fullmatch(rf"/{repo_id}/resolve/(main|{head})/[^/]+", path)}
-    assert {"config.json", "model.safetensors", "tokenizer.json", *EXPORTED_CODE} <= resolved
+    assert {"config.json", "model.safetensors", "tokenizer.json", *HUB_CODE_FILES} <= resolved
     assert ("storage", "GET", f"/{sha256(trained / 'hub' / 'model.safetensors')}") in served, "weights from storage"
     assert not hub.unexpected
 
 
-def test_translation_pipeline_with_vaswani_hf_imported(exported):
+def test_translation_pipeline_with_vaswani_hf_imported(published):
     """In a process that imported vaswani_hf (which registers the task transformers 5 removed)."""
     from transformers import AutoTokenizer, pipeline
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(exported).eval()
-    tokenizer = AutoTokenizer.from_pretrained(exported)
+    model = AutoModelForSeq2SeqLM.from_pretrained(published).eval()
+    tokenizer = AutoTokenizer.from_pretrained(published)
     assert type(model).__module__ == "vaswani_hf.modeling_vaswani"
     translator = pipeline("translation", model=model, tokenizer=tokenizer)
     batch = tokenizer(SENTENCES[:1], return_tensors="pt")
@@ -264,26 +264,26 @@ def test_training_push_uploads_the_weights_through_lfs(trained, hub):
         (trained / "metrics.json").read_text())["test_bleu"]
 
 
-def test_export_command_pushes_to_the_given_endpoint(exported, trained, tmp_path, hub, monkeypatch):
+def test_the_command_pushes_to_the_given_endpoint(published, trained, tmp_path, hub, monkeypatch):
     monkeypatch.delenv("HF_ENDPOINT")
     folder = tmp_path / "again"
-    assert export_main(["--model_dir", str(trained), "--output_dir", str(folder), "--push_to_hub",
+    assert publish_main(["--model_dir", str(trained), "--output_dir", str(folder), "--push_to_hub",
                         "--hub_model_id", "another/name", "--hub_endpoint", hub.url, "--hub_token", "hf_x"]) == 0
     commit = hub.commits[-1]
     assert commit["repo_id"] == "another/name" and set(commit["files"]) == HUB_FILES
     assert commit["lfs"] == {"model.safetensors"}
     assert hub.tree("another/name") == hub_tree(folder)
-    assert sha256(exported / "model.safetensors") in hub.objects
+    assert sha256(published / "model.safetensors") in hub.objects
     assert hub.created[-1]["name"] == "name" and hub.created[-1]["organization"] == "another"
     assert 'repo = "another/name"' in commit["files"]["README.md"].decode()
 
 
-def test_pushing_to_an_existing_repository_sends_only_what_changed(exported, tmp_path, hub):
+def test_pushing_to_an_existing_repository_sends_only_what_changed(published, tmp_path, hub):
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     repo_id, folder = "someone/existing", tmp_path / "folder"
-    shutil.copytree(exported, folder)
+    shutil.copytree(published, folder)
     first = push_folder(folder, repo_id, token="hf_x")
     created, commits = len(hub.created), len(hub.commits)
     puts = sum(r[1] == "PUT" for r in hub.requests)
@@ -300,28 +300,28 @@ def test_pushing_to_an_existing_repository_sends_only_what_changed(exported, tmp
     assert hub.tree(repo_id) == hub_tree(folder)
 
 
-def test_a_pull_request_commits_to_its_own_ref(exported, tmp_path, hub):
+def test_a_pull_request_commits_to_its_own_ref(published, tmp_path, hub):
     from huggingface_hub import HfApi, hf_hub_download
 
     repo_id, folder = "someone/reviewed", tmp_path / "folder"
-    shutil.copytree(exported, folder)
+    shutil.copytree(published, folder)
     push_folder(folder, repo_id, token="hf_x")
     (folder / "README.md").write_text("---\nlicense: mit\n---\nProposed card.\n", encoding="utf-8")
     commit = HfApi(endpoint=hub.url, token="hf_x").upload_folder(repo_id=repo_id, folder_path=str(folder),
                                                                  create_pr=True, commit_message="Propose a card")
     assert commit.pr_url == f"{hub.url}/{repo_id}/discussions/1" and commit.pr_revision == "refs/pr/1"
     assert hub.commits[-1]["revision"] == "refs/pr/1" and hub.commits[-1]["files"].keys() == {"README.md"}
-    assert hub.tree(repo_id)["README.md"] == (exported / "README.md").read_bytes(), "main is unchanged"
+    assert hub.tree(repo_id)["README.md"] == (published / "README.md").read_bytes(), "main is unchanged"
     proposed = hf_hub_download(repo_id, "README.md", revision="refs/pr/1", endpoint=hub.url,
                                cache_dir=tmp_path / "cache", token="hf_x")
     assert Path(proposed).read_text(encoding="utf-8") == "---\nlicense: mit\n---\nProposed card.\n"
 
 
-def test_a_private_repository_answers_its_owner_only(exported, trained, tmp_path, hub):
+def test_a_private_repository_answers_its_owner_only(published, trained, tmp_path, hub):
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    assert export_main(["--model_dir", str(trained), "--output_dir", str(tmp_path / "private"), "--push_to_hub",
+    assert publish_main(["--model_dir", str(trained), "--output_dir", str(tmp_path / "private"), "--push_to_hub",
                         "--hub_model_id", "someone/private", "--hub_private_repo", "--hub_token", "hf_owner"]) == 0
     assert hub.created[-1]["visibility"] == "private" and hub.repos["someone/private"].private is True
     for token in (False, "hf_someone_else"):
@@ -329,7 +329,7 @@ def test_a_private_repository_answers_its_owner_only(exported, trained, tmp_path
             hf_hub_download("someone/private", "config.json", endpoint=hub.url, cache_dir=tmp_path / "c", token=token)
     weights = hf_hub_download("someone/private", "model.safetensors", endpoint=hub.url, cache_dir=tmp_path / "c",
                               token="hf_owner")
-    assert sha256(Path(weights)) == sha256(exported / "model.safetensors")
+    assert sha256(Path(weights)) == sha256(published / "model.safetensors")
 
 
 @pytest.mark.parametrize("step", ["lfs_put", "commit"])
@@ -337,9 +337,9 @@ def test_a_push_that_fails_midway_says_so_and_keeps_the_folder(step, trained, tm
     import huggingface_hub.utils._http
 
     monkeypatch.setattr(huggingface_hub.utils._http.time, "sleep", lambda seconds: None)  # the client's backoff
-    repo_id, folder = f"someone/broken-{step.replace('_', '-')}", tmp_path / "export"
+    repo_id, folder = f"someone/broken-{step.replace('_', '-')}", tmp_path / "hub-folder"
     with hub.failing(step, 500), pytest.raises(SystemExit) as failed:
-        export_main(["--model_dir", str(trained), "--output_dir", str(folder), "--push_to_hub",
+        publish_main(["--model_dir", str(trained), "--output_dir", str(folder), "--push_to_hub",
                      "--hub_model_id", repo_id, "--hub_token", "hf_x"])
     message = str(failed.value.code)
     assert message.startswith(f"error: uploading {folder} to {repo_id}") and "500" in message, message
@@ -359,29 +359,29 @@ def test_a_push_that_fails_midway_says_so_and_keeps_the_folder(step, trained, tm
         "weights stored before the failed commit are not uploaded again")
 
 
-def test_export_errors_are_clear(trained, tmp_path, monkeypatch):
+def test_publishing_errors_are_clear(trained, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
     with pytest.raises(SystemExit, match="not a saved model folder"):
-        export_main(["--model_dir", str(tmp_path), "--output_dir", str(tmp_path / "x")])
+        publish_main(["--model_dir", str(tmp_path), "--output_dir", str(tmp_path / "x")])
     (tmp_path / "taken").mkdir()
     with pytest.raises(SystemExit, match="exists; pass --force"):
-        export_main(["--model_dir", str(trained), "--output_dir", str(tmp_path / "taken")])
+        publish_main(["--model_dir", str(trained), "--output_dir", str(tmp_path / "taken")])
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "bart"}))
     with pytest.raises(SystemExit, match="model_type is 'bart', not 'vaswani'"):
-        export_main(["--model_dir", str(other), "--output_dir", str(tmp_path / "y")])
+        publish_main(["--model_dir", str(other), "--output_dir", str(tmp_path / "y")])
     tiny_model().save_pretrained(tmp_path / "no_tokenizer")
     with pytest.raises(SystemExit, match="no tokenizer.json"):
-        export_main(["--model_dir", str(tmp_path / "no_tokenizer"), "--output_dir", str(tmp_path / "z")])
+        publish_main(["--model_dir", str(tmp_path / "no_tokenizer"), "--output_dir", str(tmp_path / "z")])
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(RuntimeError, match="HF_HUB_OFFLINE is set"):
         push_folder(trained / "hub", "someone/x", endpoint="http://127.0.0.1:9")
 
 
-def test_export_without_metrics_has_no_model_index(trained, tmp_path):
-    folder = export_for_hub(trained, tmp_path / "bare", metrics_file=tmp_path / "missing.json")
+def test_a_folder_without_metrics_has_no_model_index(trained, tmp_path):
+    folder = write_hub_folder(trained, tmp_path / "bare", metrics_file=tmp_path / "missing.json")
     meta = front_matter((folder / "README.md").read_text())
     assert "model-index" not in meta and meta["license"] == "unknown" and "datasets" not in meta
 
@@ -413,7 +413,7 @@ def test_a_training_run_whose_push_fails_says_so_and_keeps_its_model(hub, tmp_pa
     assert {p.name for p in (out / "hub").iterdir()} == HUB_FILES and (out / "metrics.json").is_file()
 
 
-# The card tells the model's history; the export never pairs weights with another model's scores ------------------
+# The card tells the model's history; publishing never pairs weights with another model's scores ------------------
 
 
 @pytest.fixture(scope="module")
@@ -438,7 +438,7 @@ def test_the_card_of_a_fine_tuned_model_tells_its_history(fine_tuned, trained, t
                                "validation": [f"{prefix}.de", f"{prefix}.en"], "test": [f"{prefix}.de", f"{prefix}.en"]}
     assert metrics["train_steps"] == 2 and metrics["train_pairs"] == 20
     assert metrics["base_model_history"]["dataset"] == "multi30k" and metrics["base_model_history"]["train_steps"] == 2
-    folder = export_for_hub(out, tmp_path / "card")
+    folder = write_hub_folder(out, tmp_path / "card")
     readme = (folder / "README.md").read_text(encoding="utf-8")
     meta = front_matter(readme)
     assert "from scratch" not in readme
@@ -453,14 +453,14 @@ def test_the_card_of_a_fine_tuned_model_tells_its_history(fine_tuned, trained, t
     assert result["dataset"]["type"] == "custom" and "captions-2024" in result["dataset"]["name"]
 
 
-def test_the_card_of_a_model_trained_from_scratch_says_so(exported, trained):
-    readme = (exported / "README.md").read_text(encoding="utf-8")
+def test_the_card_of_a_model_trained_from_scratch_says_so(published, trained):
+    readme = (published / "README.md").read_text(encoding="utf-8")
     assert "trained from scratch with the paper's\nrecipe, to translate German into English on Multi30k" in readme
     assert "fine-tuned" not in readme
 
 
 def test_a_hub_base_model_and_dataset_go_into_the_metadata(trained):
-    from vaswani_training.export import card_data_for
+    from vaswani_training.publish import card_data_for
 
     metrics = {"dataset": "wmt14", "data": {"kind": "hub", "name": "wmt14", "config": "de-en"},
                "base_model": "someone/vaswani-base", "base_model_local": False, "test_bleu": 20.0}
@@ -478,21 +478,21 @@ def test_metrics_of_other_weights_are_refused(trained, tmp_path):
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=re.escape(f"{source / 'metrics.json'} does not describe the weights in "
                                                    f"{source} (it records the fingerprint of other weights")):
-        export_for_hub(source, tmp_path / "a")
+        write_hub_folder(source, tmp_path / "a")
     metrics = json.loads((source / "metrics.json").read_text())
     del metrics["weights_sha256"]  # metrics written before the weights were replaced, without a fingerprint
     (source / "metrics.json").write_text(json.dumps(metrics))
     os.utime(weights, (weights.stat().st_atime, (source / "metrics.json").stat().st_mtime + 60))
     with pytest.raises(ValueError, match=r"\(it is older than the weights\)"):
-        export_for_hub(source, tmp_path / "b")
+        write_hub_folder(source, tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
-def test_the_export_folder_follows_the_umask(trained, tmp_path, umask):
+def test_the_hub_folder_follows_the_umask(trained, tmp_path, umask):
     previous = os.umask(umask)
     try:
-        folder = export_for_hub(trained, tmp_path / "export")
+        folder = write_hub_folder(trained, tmp_path / "hub-folder")
     finally:
         os.umask(previous)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~umask
@@ -501,7 +501,7 @@ def test_the_export_folder_follows_the_umask(trained, tmp_path, umask):
 
 
 def test_the_template_is_installed_with_the_commands():
-    from vaswani_training.export import default_template
+    from vaswani_training.publish import default_template
 
     assert default_template().read_text(encoding="utf-8") == (ROOT / "model_card.md").read_text(encoding="utf-8")
     assert (ROOT / "training" / "model_card.md").is_symlink(), "one template, at the repository root"
@@ -515,7 +515,7 @@ def test_an_unreachable_hub_is_refused_before_any_work(trained, tmp_path, hub, m
 
     dead = "http://127.0.0.1:9"  # the discard port: nothing listens there
     with pytest.raises(SystemExit, match=re.escape(f"--hub_endpoint {dead}: cannot be reached")):
-        export_main(["--model_dir", str(trained), "--output_dir", str(tmp_path / "x"), "--push_to_hub",
+        publish_main(["--model_dir", str(trained), "--output_dir", str(tmp_path / "x"), "--push_to_hub",
                      "--hub_model_id", "a/b", "--hub_endpoint", dead])
     assert not (tmp_path / "x").exists()
     run = ["--preset", "tiny", "--output_dir", str(tmp_path / "run"), "--max_steps", "1", "--push_to_hub",
@@ -530,29 +530,29 @@ def test_an_unreachable_hub_is_refused_before_any_work(trained, tmp_path, hub, m
     assert not (tmp_path / "run").exists(), "refused before training"
 
 
-# The export never replaces the model folder and names a damaged run's files -------------------------------------------
+# Publishing never replaces the model folder and names a damaged run's files ------------------------------------------
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "parent"])
-def test_export_never_replaces_the_model_folder(tiny_run, tmp_path, where):
-    from vaswani_training.export import main as export_main
+def test_publishing_never_replaces_the_model_folder(tiny_run, tmp_path, where):
+    from vaswani_training.publish import main as publish_main
 
     source = copy_run(tiny_run, tmp_path)
     before = listing(source)
-    output = {"same": source, "inside": source / "export", "parent": tmp_path}[where]
-    exits_with(lambda: export_main(["--model_dir", str(source), "--output_dir", str(output), "--force"]),
+    output = {"same": source, "inside": source / "published", "parent": tmp_path}[where]
+    exits_with(lambda: publish_main(["--model_dir", str(source), "--output_dir", str(output), "--force"]),
                r"--output_dir .* (is the same folder as|lies inside|contains) --model_dir")
     assert listing(source) == before
 
 
 def test_truncated_metrics_and_trainer_state_are_named(tiny_run, tmp_path):
-    from vaswani_training.export import main as export_main
     from vaswani_training.plot import plot_learning_curve
+    from vaswani_training.publish import main as publish_main
 
     source = copy_run(tiny_run, tmp_path)
     metrics = source / "metrics.json"
     metrics.write_text(metrics.read_text()[:20])
-    exits_with(lambda: export_main(["--model_dir", str(source), "--output_dir", str(tmp_path / "e")]),
+    exits_with(lambda: publish_main(["--model_dir", str(source), "--output_dir", str(tmp_path / "e")]),
                re.escape(f"{metrics}: not valid JSON"))
     state = source / "checkpoint-3" / "trainer_state.json"
     state.write_text(state.read_text()[:30])

@@ -1,4 +1,4 @@
-"""Attention pictures (vaswani_hf/visualization.py) and the plot command (training/plot.py)."""
+"""Attention pictures (vaswani_hf/pictures/attention.py) and the plot command (training/plot.py)."""
 
 import json
 import struct
@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from vaswani_hf.decoding import paper_generate
-from vaswani_hf.visualization import attention_maps, attention_weights, plot_all_attention, plot_attention
+from vaswani_hf.decoding.paper import paper_generate
+from vaswani_hf.pictures.attention import attention_maps, attention_weights, plot_all_attention, plot_attention
 from vaswani_training.plot import learning_curve_data, plot_learning_curve
 from vaswani_training.plot import main as plot_main
 

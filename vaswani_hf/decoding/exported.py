@@ -12,14 +12,15 @@ that give `generate()`'s tokens.
 - `greedy_search`, `beam_search`: the decoding loops over any `encode` and `step` functions with those signatures (the
   exported programs' `.module()`, the ONNX functions, or the two modules themselves), giving the tokens of
   `generate(num_beams=1, do_sample=False)` and of `generate(num_beams=k, length_penalty=..., early_stopping=True)`
-  (the paper's decoding, §6.1: beam 4, length penalty 0.6).
+  (beam 4 and length penalty 0.6 as the model's `generate()` defaults, §6.1, with transformers' penalty: the score
+  divided by |Y|^0.6; the paper's GNMT penalty is `vaswani_hf.decoding.paper`).
 
 Layouts: B rows, S source positions, P cached target positions, L decoder layers, H heads, Dh = d_model / H, V the
 target vocabulary. Caches are one tensor each: `(L, 2, B, H, P, Dh)` for self-attention and `(L, 2, B, H, S, Dh)` for
 encoder-decoder attention, keys at index 0 and values at index 1 of the second dimension.
 
 ```python
-from vaswani_hf.export_generation import beam_search, torch_export_generation
+from vaswani_hf.decoding.exported import beam_search, torch_export_generation
 
 encoder, step = torch_export_generation(model.eval(), max_length=64)
 tokens = beam_search(encoder.module(), step.module(), input_ids, attention_mask, max_length=64,

@@ -44,7 +44,7 @@ Returns:
     'score' (0-100), 'counts', 'totals', 'precisions', 'bp', 'sys_len', 'ref_len', 'signature' (str).
 
 Examples:
-    >>> bleu = evaluate.load("vaswani_hf/metrics/sacrebleu_local")
+    >>> bleu = evaluate.load("vaswani_hf/bleu/sacrebleu_local")
     >>> bleu.compute(predictions=["hello there general kenobi"], references=[["hello there general kenobi"]])["score"]
     100.00000000000004
 """

@@ -1,5 +1,5 @@
-"""Export to CTranslate2: same log-probabilities and token-identical greedy and beam outputs in float32; int8 weights
-close to float32 on every CPU.
+"""Conversion to CTranslate2 (vaswani_hf/decoding/ct2.py, training/convert_ct2.py): same log-probabilities and
+token-identical greedy and beam outputs in float32; int8 weights close to float32 on every CPU.
 
 CTranslate2 picks its kernels by the CPU's instruction set (int8 products with AVX-512 VNNI or AVX2's saturating
 16-bit pairs, float32 sums in different orders): every test here is marked `isa` and runs again with AVX2 forced
@@ -28,14 +28,14 @@ from helpers import (
 try:
     import ctranslate2
 except ImportError as error:  # an optional dependency of the package, but a required one of the test suite
-    raise ImportError("tests/test_export_ct2.py needs ctranslate2: pip install ctranslate2 (it is in the dev "
+    raise ImportError("tests/test_ct2.py needs ctranslate2: pip install ctranslate2 (it is in the dev "
                       "extras: pip install -e '.[dev]').") from error
 
 
 from vaswani_hf import VaswaniForConditionalGeneration
-from vaswani_hf.export_ct2 import build_ct2_spec, ct2_translate, export_ct2
+from vaswani_hf.decoding.ct2 import build_ct2_spec, convert_to_ct2, ct2_translate
 from vaswani_hf.modeling_vaswani import sinusoidal_table
-from vaswani_training.export_ct2 import main as export_main
+from vaswani_training.convert_ct2 import main as convert_main
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, COPY_VOCAB)]
 
@@ -61,12 +61,12 @@ def _strip(sequences):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The copy-task model, saved and exported in float32 and int8."""
+    """The copy-task model, saved and converted in float32 and int8."""
     root = tmp_path_factory.mktemp("ct2")
     model = trained_copy_model(steps=40)
     model.save_pretrained(root / "model")
-    export_ct2(root / "model", root / "fp32", vocabulary=WORDS)
-    export_ct2(root / "model", root / "int8", vocabulary=WORDS, quantization="int8")
+    convert_to_ct2(root / "model", root / "fp32", vocabulary=WORDS)
+    convert_to_ct2(root / "model", root / "int8", vocabulary=WORDS, quantization="int8")
     return model, root
 
 
@@ -103,7 +103,7 @@ def test_log_probs_match(tmp_path, variant):
     torch.manual_seed(0)
     model = VaswaniForConditionalGeneration(tiny_config(**{**COPY_TASK, **variant})).eval()
     model.save_pretrained(tmp_path / "model")
-    export_ct2(tmp_path / "model", tmp_path / "ct2", vocabulary=WORDS)
+    convert_to_ct2(tmp_path / "model", tmp_path / "ct2", vocabulary=WORDS)
     translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", compute_type="float32")
     ids, mask = copy_sources(seed=4, batch=4)
     targets, _ = copy_sources(seed=5, batch=4)
@@ -154,24 +154,24 @@ def _rank_correlation(reference: list[torch.Tensor], scores: list[torch.Tensor])
     return torch.corrcoef(totals.argsort(dim=1).argsort(dim=1).float())[0, 1].item()
 
 
-def _export_int8(model, folder):
-    """`model` saved and exported with int8 weights into `folder`; returns the exported folder."""
+def _convert_int8(model, folder):
+    """`model` saved and converted with int8 weights into `folder`; returns the converted folder."""
     model.save_pretrained(folder / "model")
-    return export_ct2(folder / "model", folder / "int8", vocabulary=WORDS, quantization="int8")
+    return convert_to_ct2(folder / "model", folder / "int8", vocabulary=WORDS, quantization="int8")
 
 
 def test_int8_is_smaller_and_close(trained, tmp_path):
     """int8 weights (one scale per row) and int8 products (activations quantized per row at run time), each held to
     what holds on every CPU.
 
-    - The export's int8 weights, run in float32 (CTranslate2 dequantizes them when loaded with compute type
+    - The converted int8 weights, run in float32 (CTranslate2 dequantizes them when loaded with compute type
       float32), involve no int8 kernel, so their error is the same on every CPU: per token at most 0.035 nats here
-      (mean 0.008), and the same greedy translations. A broken export exceeds the bounds: all weights 5 % too large
+      (mean 0.008), and the same greedy translations. A broken conversion exceeds the bounds: all weights 5 % too large
       (a wrong scale) moves tokens by 0.10 nats on average and up to 0.6, a transposed query projection by 0.18
       and up to 1.2.
     - The int8 products depend on the CPU's kernels: with AVX-512 VNNI the tokens move by 0.01 nats on average,
       with AVX2 (8-bit products summed in saturating 16-bit pairs) by 0.30 and up to 1.4, as far as the broken
-      exports above and enough to change most greedy translations. What holds on both: int8 orders the candidate
+      conversions above and enough to change most greedy translations. What holds on both: int8 orders the candidate
       outputs as float32 does (rank correlation >= 0.95; 0.98 with AVX2) and stays within 0.5 nats per token on
       average, where another model (trained alike from another seed) is 1 nat away with rank correlation 0.8."""
     model, root = trained
@@ -199,7 +199,7 @@ def test_int8_is_smaller_and_close(trained, tmp_path):
         broken = copy.deepcopy(model)
         with torch.no_grad():
             change(broken)
-        folder = _export_int8(broken, tmp_path / name.replace(" ", "_"))
+        folder = _convert_int8(broken, tmp_path / name.replace(" ", "_"))
         broken_mean, broken_largest, broken_same = weights_error(
             ctranslate2.Translator(str(folder), device="cpu", compute_type="float32"))
         assert broken_mean > mean_bound and broken_largest > largest_bound and broken_same < same_bound, (
@@ -211,7 +211,7 @@ def test_int8_is_smaller_and_close(trained, tmp_path):
     assert mean < mean_bound and correlation >= correlation_bound, (mean, correlation)
     # activations are quantized too: int8 products differ from the int8 weights' float32 products
     assert not torch.allclose(torch.cat(scores), torch.cat(_scores(int8_weights, pairs)))
-    other = _export_int8(trained_copy_model(steps=40, seed=1), tmp_path / "other")
+    other = _convert_int8(trained_copy_model(steps=40, seed=1), tmp_path / "other")
     other_scores = _scores(ctranslate2.Translator(str(other), device="cpu", compute_type="int8"), pairs)
     other_mean, other_correlation = _errors(reference, other_scores).mean().item(), _rank_correlation(reference,
                                                                                                        other_scores)
@@ -219,11 +219,11 @@ def test_int8_is_smaller_and_close(trained, tmp_path):
 
 
 @torch.no_grad()
-def test_export_with_tokenizer_and_translate_text(tmp_path, tiny_tokenizer, parallel_text):
+def test_convert_with_tokenizer_and_translate_text(tmp_path, tiny_tokenizer, parallel_text):
     model = tiny_model(vocab_size=len(tiny_tokenizer))
     model.save_pretrained(tmp_path / "model")
     tiny_tokenizer.save_pretrained(tmp_path / "model")
-    assert export_main(["--model_dir", str(tmp_path / "model"), "--output_dir", str(tmp_path / "ct2")]) == 0
+    assert convert_main(["--model_dir", str(tmp_path / "model"), "--output_dir", str(tmp_path / "ct2")]) == 0
 
     vocabulary = json.loads((tmp_path / "ct2" / "shared_vocabulary.json").read_text())
     assert vocabulary == tiny_tokenizer.convert_ids_to_tokens(list(range(len(tiny_tokenizer))))
@@ -244,15 +244,15 @@ def test_export_with_tokenizer_and_translate_text(tmp_path, tiny_tokenizer, para
 def test_clear_errors(tmp_path, trained):
     _, root = trained
     with pytest.raises(FileExistsError, match="force"):
-        export_ct2(root / "model", root / "fp32", vocabulary=WORDS)
+        convert_to_ct2(root / "model", root / "fp32", vocabulary=WORDS)
     with pytest.raises(ValueError, match="Unknown quantization"):
-        export_ct2(root / "model", tmp_path / "x", vocabulary=WORDS, quantization="int4")
+        convert_to_ct2(root / "model", tmp_path / "x", vocabulary=WORDS, quantization="int4")
     with pytest.raises(ValueError, match="no tokenizer.json"):
-        export_ct2(root / "model", tmp_path / "x")
+        convert_to_ct2(root / "model", tmp_path / "x")
     with pytest.raises(ValueError, match="23 tokens but the model's embedding has 24"):
-        export_ct2(root / "model", tmp_path / "x", vocabulary=WORDS[:-1])
+        convert_to_ct2(root / "model", tmp_path / "x", vocabulary=WORDS[:-1])
     with pytest.raises(SystemExit, match="no config.json"):
-        export_main(["--model_dir", str(tmp_path), "--output_dir", str(tmp_path / "y")])
+        convert_main(["--model_dir", str(tmp_path), "--output_dir", str(tmp_path / "y")])
     assert not (tmp_path / "x").exists()
 
 
@@ -274,12 +274,12 @@ def test_speed_benchmark_runs_and_agrees(trained):
 
 
 @pytest.mark.parametrize("where", ["same", "parent"])
-def test_ct2_export_never_replaces_the_model_folder(tiny_run, tmp_path, where):
-    from vaswani_training.export_ct2 import main as export_ct2_main
+def test_ct2_conversion_never_replaces_the_model_folder(tiny_run, tmp_path, where):
+    from vaswani_training.convert_ct2 import main as convert_ct2_main
 
     source = copy_run(tiny_run, tmp_path)
     before = listing(source)
     output = source if where == "same" else tmp_path
-    exits_with(lambda: export_ct2_main(["--model_dir", str(source), "--output_dir", str(output), "--force"]),
+    exits_with(lambda: convert_ct2_main(["--model_dir", str(source), "--output_dir", str(output), "--force"]),
                r"(is the same folder as|contains) --model_dir")
     assert listing(source) == before

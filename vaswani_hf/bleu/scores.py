@@ -1,4 +1,4 @@
-"""BLEU, offline: detokenized sacreBLEU and Multi30k-style lowercased tokenized BLEU.
+"""BLEU scores, offline: detokenized sacreBLEU, Multi30k-style lowercased tokenized BLEU and the paper's form (§6.1).
 
 Two numbers, both on a 0–100 scale:
 
@@ -31,7 +31,8 @@ from typing import Any, Union
 
 import sacrebleu
 
-from .metrics import SACREBLEU_LOCAL_PATH
+# The folder `evaluate.load` takes: the folder and its script share a name, as evaluate requires.
+SACREBLEU_LOCAL_PATH = Path(__file__).resolve().parent / "sacrebleu_local"
 
 __all__ = ["load_bleu_metric", "compute_bleu", "moses_lc_tokenize", "paper_bleu", "paper_tokenize",
            "SACREBLEU_LOCAL_PATH"]
@@ -40,7 +41,8 @@ RefsArg = Union[Sequence[str], Sequence[Sequence[str]], str, "os.PathLike[str]"]
 
 
 def load_bleu_metric(**kwargs: Any):
-    """The local sacreBLEU `evaluate` module (`vaswani_hf/metrics/sacrebleu_local`), loaded with no network.
+    """The local sacreBLEU `evaluate` module (`vaswani_hf/bleu/sacrebleu_local`, `SACREBLEU_LOCAL_PATH`), loaded with
+    no network.
 
     `kwargs` go to `evaluate.load` (e.g. `experiment_id`, `num_process`/`process_id` for distributed
     evaluation, `keep_in_memory=True`). `metric.compute(predictions=[...], references=[[...], ...])` returns
@@ -54,7 +56,7 @@ def load_bleu_metric(**kwargs: Any):
 def _read_refs(refs: RefsArg, name: str) -> list[list[str]]:
     """-> list of reference streams (sacrebleu layout: streams[k][i] = k-th reference of segment i)."""
     if isinstance(refs, (str, os.PathLike)):
-        from .data import read_lines
+        from ..data import read_lines
 
         p = Path(refs)
         if not p.is_file():

@@ -3,12 +3,13 @@ request, the n-best translations with their scores, the attention of every layer
 the source tokens one target token attends to, and the pictures (heatmaps of the heads, the positional encoding of
 §3.5).
 
-Decoding goes through `inference.translate_sentences`, the code path of `vaswani-translate`, so the page's best
+Decoding goes through `decoding.translate.translate_sentences`, the code path of `vaswani-translate`, so the page's best
 hypothesis is the command's translation for the same beam size and length penalty. Pictures are PIL images (Pillow
 comes with matplotlib), drawn with the Agg backend.
 
-Imports only torch, matplotlib, Pillow and the modules `checks`, `inference` and `visualization` beside it (relatively),
-so `vaswani-export --space` ships this file with those three into a Space folder that has no vaswani_hf installed.
+Imports only torch, matplotlib, Pillow and three modules of vaswani_hf (relatively): `checks.py`,
+`decoding/translate.py` and `pictures/attention.py`, so `vaswani-publish --space` ships this file with those three,
+in the same folders, into a Space folder that has no vaswani_hf installed.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checks import CheckError
-from .inference import translate_sentences
-from .visualization import _TITLES, ATTENTION_KINDS, AttentionMaps, new_figure, save_figure
+from ..checks import CheckError
+from ..decoding.translate import translate_sentences
+from .attention import ATTENTION_KINDS, KIND_TITLES, AttentionMaps, new_figure, save_figure
 
 MAX_CHARACTERS = 10_000  # the page states it; longer text is refused before it is tokenized
 MAX_SOURCE_TOKENS = 200  # bounds one request's decoding time (a paper sentence has ~30 subwords)
 MAX_BEAMS = 12
 PAGE_DPI = 72  # pictures for a screen, small and quick to draw
-KIND_TITLES = _TITLES  # "encoder" -> "encoder self-attention", ..., as `visualization` titles its figures
 
 __all__ = ["ATTENTION_KINDS", "KIND_TITLES", "MAX_BEAMS", "MAX_CHARACTERS", "MAX_SOURCE_TOKENS", "Hypothesis",
            "Translation", "check_request", "draw_head", "draw_heads", "draw_positional_encoding",
@@ -120,7 +120,7 @@ def translate_nbest(model, tokenizer, text: str, *, num_beams: int, length_penal
                     num_hypotheses: int) -> Translation:
     """The `num_hypotheses` best translations of `text` with their scores.
 
-    `generate()` is called by `inference.translate_sentences` with the same arguments as `vaswani-translate
+    `generate()` is called by `decoding.translate.translate_sentences` with the same arguments as `vaswani-translate
     --num_beams N --length_penalty A` (output length up to source length + 50, §6.1), plus `num_return_sequences`
     and the scores, which change no hypothesis; the first hypothesis is the command's translation.
 
@@ -160,7 +160,7 @@ def translate_nbest(model, tokenizer, text: str, *, num_beams: int, length_penal
 @torch.no_grad()
 def hypothesis_attention(model, tokenizer, translation: Translation, index: int = 0) -> list[AttentionMaps]:
     """The attention of every layer when the model reads hypothesis `index` of `translation` (teacher-forced: one
-    forward pass with `output_attentions=True` on the source and the hypothesis, as `visualization.attention_weights`
+    forward pass with `output_attentions=True` on the source and the hypothesis, as `attention.attention_weights`
     for one layer, here all layers at once).
 
     Returns:
@@ -225,7 +225,7 @@ def draw_heads(maps: AttentionMaps, kind: str, cell: int = 160, gap: int = 6):
     """Every head of one kind of attention of `maps` at a glance, as a PIL image: the heads' heatmaps left to right
     (viridis, one colour scale for all heads from 0 to the largest weight), each scaled up by a whole factor to about
     `cell` pixels on its longer side, `gap` white pixels apart; no labels (the enlarged head, `draw_head`, has the
-    tokens on its axes). Pixels only, no figure: a few milliseconds where `visualization.plot_attention` takes
+    tokens on its axes). Pixels only, no figure: a few milliseconds where `attention.plot_attention` takes
     seconds for long sentences.
 
     Returns:
