@@ -40,8 +40,9 @@ from helpers import (
 )
 from transformers import AutoModelForSeq2SeqLM
 
-from vaswani_hf.checks import CheckError, RunLock, read_json
+from vaswani_hf.checks import CheckError, read_json
 from vaswani_hf.inference import translate_sentences
+from vaswani_training.output_dir import RunLock
 
 # End to end -----------------------------------------------------------------------------------------------------------
 
@@ -314,7 +315,7 @@ def test_a_truthy_string_for_a_bool_override_is_refused(tmp_path, train_cache):
 
 
 def test_average_last_is_checked_before_training(tmp_path, train_cache):
-    from vaswani_training.run_checks import check_average_last
+    from vaswani_training.checkpoints import check_average_last
 
     with pytest.raises(CheckError, match="--save_total_limit 2 deletes all but 2"):
         train_cli(tmp_path / "a", train_cache, "--max_steps", "4", "--save_steps", "1", "--average_last", "3",
@@ -421,7 +422,7 @@ def test_resuming_with_other_settings_is_refused_before_training(tiny_run, tmp_p
 
 
 def test_resuming_a_checkpoint_without_settings_compares_the_models_shape(tiny_run, tmp_path, train_cache):
-    from vaswani_training.run_checks import RUN_SETTINGS
+    from vaswani_training.checkpoints import RUN_SETTINGS
 
     source = copy_run(tiny_run, tmp_path)
     (source / "checkpoint-3" / RUN_SETTINGS).unlink()
@@ -492,7 +493,7 @@ def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, train_
     scheduler's SIGKILL follows), with metrics.json saying so."""
     from transformers import Seq2SeqTrainer
 
-    from vaswani_training.run_checks import checkpoint_problems
+    from vaswani_training.checkpoints import checkpoint_problems
 
     original = Seq2SeqTrainer.prediction_step
     lengths = []
