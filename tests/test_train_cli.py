@@ -430,6 +430,24 @@ def test_resuming_a_checkpoint_without_settings_compares_the_models_shape(tiny_r
         train_cli(source, train_cache, "--max_steps", "5", "--resume_from_checkpoint", "last", "--preset", "cpu")
 
 
+def test_run_settings_name_a_hub_model_as_given_and_a_local_folder_by_its_absolute_path(tmp_path, monkeypatch):
+    """What a checkpoint's vaswani_run.json records of the model and tokenizer a run starts from: the same local folder
+    given from another working directory compares equal, and a Hub id is kept, so that another one is refused."""
+    from vaswani_training.arguments import DataArguments, ModelArguments, RecipeArguments
+    from vaswani_training.checkpoints import run_settings
+    from vaswani_training.presets import PRESETS
+    from vaswani_training.run import new_run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bpe").mkdir()
+    model_args = ModelArguments(preset="tiny", model_name_or_path="someone/vaswani-base", tokenizer_name="bpe")
+    run = new_run(model_args, DataArguments(), RecipeArguments(), preset=PRESETS["tiny"], output_dir=tmp_path / "out",
+                  max_steps=10, warmup_steps=2, max_steps_given=True, device_type="cpu", resume_value=None)
+    settings = run_settings(run)
+    assert settings["model_name_or_path"] == "someone/vaswani-base"
+    assert settings["tokenizer_name"] == str((tmp_path / "bpe").resolve())
+
+
 def test_a_resumed_run_with_too_few_checkpoints_to_average_is_refused_before_training(tiny_run, tmp_path, train_cache):
     source = copy_run(tiny_run, tmp_path)
     before = listing(source)

@@ -230,13 +230,12 @@ def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | os.Pat
 # -- the settings a resumed run shares ---------------------------------------------------------------------------------
 
 
-
 def _as_given_path(name: str | None) -> str | None:
     """A local path made absolute (the same folder given from another working directory compares equal); a Hub id as
     given."""
     if name and Path(name).exists():
         return str(Path(name).resolve())
-
+    return name
 
 
 def run_settings(run: Run) -> dict[str, Any]:
