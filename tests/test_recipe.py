@@ -24,7 +24,7 @@ from helpers import ROOT, TINY_RUN, free_port
 from safetensors.torch import load_file
 
 from vaswani_hf.checks import CheckError
-from vaswani_training.run_checks import checkpoint_problems, checkpoint_step, resolve_resume_checkpoint
+from vaswani_training.checkpoints import checkpoint_problems, checkpoint_step, resolve_resume_checkpoint
 
 DOC = ROOT / "docs" / "reproduce.md"
 TIMEOUT = 600  # seconds; a guard for a busy shared machine, not a timing assertion

@@ -40,8 +40,9 @@ from helpers import (
 )
 from transformers import AutoModelForSeq2SeqLM
 
-from vaswani_hf.checks import CheckError, RunLock, read_json
+from vaswani_hf.checks import CheckError, read_json
 from vaswani_hf.decoding.translate import translate_sentences
+from vaswani_training.output_dir import RunLock
 
 # End to end -----------------------------------------------------------------------------------------------------------
 
@@ -314,7 +315,7 @@ def test_a_truthy_string_for_a_bool_override_is_refused(tmp_path, train_cache):
 
 
 def test_average_last_is_checked_before_training(tmp_path, train_cache):
-    from vaswani_training.run_checks import check_average_last
+    from vaswani_training.checkpoints import check_average_last
 
     with pytest.raises(CheckError, match="--save_total_limit 2 deletes all but 2"):
         train_cli(tmp_path / "a", train_cache, "--max_steps", "4", "--save_steps", "1", "--average_last", "3",
@@ -421,12 +422,30 @@ def test_resuming_with_other_settings_is_refused_before_training(tiny_run, tmp_p
 
 
 def test_resuming_a_checkpoint_without_settings_compares_the_models_shape(tiny_run, tmp_path, train_cache):
-    from vaswani_training.run_checks import RUN_SETTINGS
+    from vaswani_training.checkpoints import RUN_SETTINGS
 
     source = copy_run(tiny_run, tmp_path)
     (source / "checkpoint-3" / RUN_SETTINGS).unlink()
     with pytest.raises(CheckError, match=r"config d_model: the run has 32, this command 256"):
         train_cli(source, train_cache, "--max_steps", "5", "--resume_from_checkpoint", "last", "--preset", "cpu")
+
+
+def test_run_settings_name_a_hub_model_as_given_and_a_local_folder_by_its_absolute_path(tmp_path, monkeypatch):
+    """What a checkpoint's vaswani_run.json records of the model and tokenizer a run starts from: the same local folder
+    given from another working directory compares equal, and a Hub id is kept, so that another one is refused."""
+    from vaswani_training.arguments import DataArguments, ModelArguments, RecipeArguments
+    from vaswani_training.checkpoints import run_settings
+    from vaswani_training.presets import PRESETS
+    from vaswani_training.run import new_run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bpe").mkdir()
+    model_args = ModelArguments(preset="tiny", model_name_or_path="someone/vaswani-base", tokenizer_name="bpe")
+    run = new_run(model_args, DataArguments(), RecipeArguments(), preset=PRESETS["tiny"], output_dir=tmp_path / "out",
+                  max_steps=10, warmup_steps=2, max_steps_given=True, device_type="cpu", resume_value=None)
+    settings = run_settings(run)
+    assert settings["model_name_or_path"] == "someone/vaswani-base"
+    assert settings["tokenizer_name"] == str((tmp_path / "bpe").resolve())
 
 
 def test_a_resumed_run_with_too_few_checkpoints_to_average_is_refused_before_training(tiny_run, tmp_path, train_cache):
@@ -492,7 +511,7 @@ def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, train_
     scheduler's SIGKILL follows), with metrics.json saying so."""
     from transformers import Seq2SeqTrainer
 
-    from vaswani_training.run_checks import checkpoint_problems
+    from vaswani_training.checkpoints import checkpoint_problems
 
     original = Seq2SeqTrainer.prediction_step
     lengths = []

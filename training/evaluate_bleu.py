@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     from vaswani_hf.checks import check_model_folder, check_output_file, weights_fingerprint
     from vaswani_hf.data import load_multi30k, load_parallel_dataset
 
-    from .atomic import write_json_atomic
+    from .inputs import check_device, check_sentence_lengths
+    from .output_dir import write_json_atomic
     from .prepare import select
-    from .run_checks import check_device, check_sentence_lengths
 
     for name in ("num_beams", "batch_size", "max_test_samples"):
         value = getattr(args, name)

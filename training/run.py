@@ -7,17 +7,19 @@ A loop calls, in order:
 2. `new_run(...)`: the preset's values for every flag the command line does not give, resolved into a `RunPlan`
    (updates, warmup, batch tokens, lr factor, time budget), held with the flags in a `Run`.
 3. `check_inputs(run, ...)`: `--average_last` against the checkpoints the run keeps, the model and tokenizer it starts
-   from, the checkpoint a resumed run continues (complete, finite, of a run with the same settings: `run_settings`),
-   the Hub endpoint of `--push_to_hub`; before any data is read.
-4. `with claim_output_dir(run, main_process=...)`: `--output_dir` is writable, locked against a second run, and holds
-   no other run.
+   from (`training/inputs.py`), the checkpoint a resumed run continues (`training/checkpoints.py`: complete, finite,
+   of a run with the same settings: `run_settings`), the Hub endpoint of `--push_to_hub`; before any data is read.
+4. `with claim_output_dir(run, main_process=...)` (`training/output_dir.py`): `--output_dir` is writable, locked
+   against a second run, and holds no other run.
 5. `prepare(run, ...)`: data -> joint BPE -> token ids, and the model; `check_positions`: learned positions cover the
    lengths the run feeds them.
-6. its own training steps, writing `run_settings` into each checkpoint (`RUN_SETTINGS`).
-7. `retire_previous_results(run)` before the final model is written into --output_dir (an earlier `metrics.json` and
-   `test_translations.txt` are renamed, never left beside other weights), `average_into(run, model)` once it is
-   saved, `run_metrics(...)` and `finish(...)`: the test set's BLEU, `metrics.json` (with the fingerprint of the
-   weights it scored and the run's history: base model, data, steps), and the Hub upload.
+6. its own training steps, writing `run_settings` into each checkpoint (`write_run_settings`, `RUN_SETTINGS` of
+   `training/checkpoints.py`).
+7. `retire_previous_results(run)` (`training/output_dir.py`) before the final model is written into --output_dir (an
+   earlier `metrics.json` and `test_translations.txt` are renamed, never left beside other weights),
+   `average_into(run, model)` (`training/checkpoints.py`) once it is saved, then `run_metrics(...)` and
+   `finish(...)`: the test set's BLEU, `metrics.json` (with the fingerprint of the weights it scored and the run's
+   history: base model, data, steps), and the Hub upload.
 
 `command_cli(main)` is both console entries: exit status 0 after a run, a `CheckError` as one line and status 1.
 """
@@ -28,33 +30,32 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vaswani_hf.checks import CheckError, RunLock, check_output_dir, read_json, weights_fingerprint
+from vaswani_hf.checks import CheckError, read_json, weights_fingerprint
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
-from .atomic import write_json_atomic, write_lines_atomic
+from .checkpoints import (
+    check_average_last,
+    check_average_last_resumed,
+    check_resume_settings,
+    expected_model_fields,
+    resolve_resume_checkpoint,
+    resolve_resume_value,
+    run_settings,
+)
 from .cpu_tuning import bound_onednn_caches, keep_freed_memory
+from .inputs import check_model_inputs
+from .output_dir import write_json_atomic, write_lines_atomic
 from .planner import process_start_monotonic, seconds_after_training
 from .precision import cpu_has_native_bf16
 from .prepare import build_model, data_sources, dataset_label, is_multi30k, prepare_data, select
-from .presets import parse_overrides
-from .run_checks import (
-    average_current_run,
-    check_average_last,
-    check_average_last_resumed,
-    check_model_inputs,
-    check_resume_settings,
-    check_run_output_dir,
-    resolve_resume_checkpoint,
-    resolve_resume_value,
-)
 
 logger = logging.getLogger("vaswani_hf.training")
 
@@ -260,125 +261,6 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
     return limit
 
 
-# Config fields that give a model its shape: a resumed run must build the same.
-_SHAPE_FIELDS = ("d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff", "position_embedding_type",
-                 "normalize_before", "share_encoder_decoder_embeddings", "activation_function")
-
-
-def _as_given_path(name: str | None) -> str | None:
-    """A local path made absolute (the same folder given from another working directory compares equal); a Hub id as
-    given."""
-    if name and Path(name).exists():
-        return str(Path(name).resolve())
-    return name
-
-
-def run_settings(run: Run) -> dict[str, Any]:
-    """The settings a resumed run must share with the run it continues, as written into every checkpoint
-    (`run_checks.RUN_SETTINGS`): the preset, the model and tokenizer it starts from, --config_overrides, batch
-    tokens, the schedule's lr factor and warmup, the languages and lengths."""
-    return {
-        "preset": run.model_args.preset,
-        "model_name_or_path": _as_given_path(run.model_args.model_name_or_path),
-        "tokenizer_name": _as_given_path(run.model_args.tokenizer_name),
-        "config_overrides": parse_overrides(run.model_args.config_overrides),
-        "max_tokens": run.plan.max_tokens,
-        "lr_factor": run.plan.lr_factor,
-        "warmup_steps": run.plan.warmup_steps,
-        "source_lang": run.data_args.source_lang,
-        "target_lang": run.data_args.target_lang,
-        "max_source_length": run.data_args.max_source_length,
-        "max_target_length": run.data_args.max_target_length,
-    }
-
-
-def expected_model_fields(run: Run) -> dict[str, Any] | None:
-    """The shape fields (`_SHAPE_FIELDS`) of the model this command builds from its preset and --config_overrides;
-    None where it starts from --model_name_or_path (that model's config decides)."""
-    if run.model_args.model_name_or_path:
-        return None
-    from vaswani_hf import VaswaniConfig
-
-    config = VaswaniConfig(**{**run.preset["model"], **parse_overrides(run.model_args.config_overrides)}).to_dict()
-    return {key: config[key] for key in _SHAPE_FIELDS if key in config}
-
-
-def write_run_settings(run: Run, checkpoint: str | os.PathLike) -> None:
-    """Write `run_settings(run)` into a checkpoint folder (`run_checks.RUN_SETTINGS`), atomically."""
-    from .run_checks import RUN_SETTINGS
-
-    write_json_atomic(Path(checkpoint) / RUN_SETTINGS, run_settings(run))
-
-
-# Files of a finished run that describe its model: a run that writes new weights moves them aside first.
-RESULT_FILES = ("metrics.json", "test_translations.txt", "test_metrics.json")
-
-
-def retire_previous_results(run: Run) -> list[Path]:
-    """Before a run writes its final model into --output_dir: rename an earlier run's `metrics.json`,
-    `test_translations.txt` and `test_metrics.json` there to `<name>.step-<N><suffix>` (N: the step their metrics
-    name), so that they are kept but never stand beside weights they do not describe, even if this run is stopped
-    before it writes its own.
-
-    Returns:
-        the renamed files' new paths.
-    """
-    folder = run.output_dir
-    present = [folder / name for name in RESULT_FILES if (folder / name).is_file()]
-    if not present:
-        return []
-    step = None
-    for path in present:
-        if path.suffix == ".json":
-            try:
-                step = read_json(path).get("train_steps")
-            except (CheckError, AttributeError):
-                continue
-            if step is not None:
-                break
-    tag = f"step-{step}" if isinstance(step, int) else time.strftime("%Y%m%d-%H%M%S",
-                                                                      time.localtime(present[0].stat().st_mtime))
-    moved = []
-    for path in present:
-        target = path.with_name(f"{path.stem}.{tag}{path.suffix}")
-        n = 1
-        while target.exists():
-            n += 1
-            target = path.with_name(f"{path.stem}.{tag}-{n}{path.suffix}")
-        os.replace(path, target)
-        moved.append(target)
-        logger.info("Moved the earlier %s aside to %s: it describes other weights than this run's.", path.name,
-                    target.name)
-    return moved
-
-
-@contextmanager
-def claim_output_dir(run: Run, *, main_process: bool) -> Iterator[None]:
-    """Hold `--output_dir` for the run: on the main process it must be writable, is locked (`RunLock`: a second run
-    into it is refused at once) and must hold no other run (`check_run_output_dir`). A refused run leaves the folder
-    as it found it. The other processes only wait for the main one at their first collective step.
-
-    Raises:
-        CheckError: a folder that cannot be written, is in use, or holds another run.
-    """
-    lock = None
-    if main_process:
-        check_output_dir(run.output_dir, flag="--output_dir")
-        lock = RunLock(run.output_dir).acquire()
-        try:
-            check_run_output_dir(run.output_dir, resuming=run.plan.resuming, overwrite=run.recipe.overwrite_output_dir,
-                                 inputs={"--model_name_or_path": run.model_args.model_name_or_path,
-                                         "--tokenizer_name": run.model_args.tokenizer_name})
-        except CheckError:
-            lock.release(remove=True)
-            raise
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
-
-
 def prepare(run: Run, *, main_process_first: AbstractContextManager | None = None):
     """Data -> joint BPE -> token ids (`prepare_data`, inside `main_process_first`: the main process trains and caches
     the BPE, the others load it), then the model of the preset or of --model_name_or_path (`build_model`).
@@ -438,24 +320,6 @@ def training_deadline(run: Run, *, test_sentences: int) -> float | None:
         after = seconds_after_training(test_sentences, seconds_per_test_sentence(run))
         deadlines.append(process_start_monotonic() + run.plan.budget_minutes * 60 - after)
     return min(deadlines) if deadlines else None
-
-
-def average_into(run: Run, model) -> None:
-    """With `--average_last N`, on the main process once the final model is saved in --output_dir: average this run's
-    last N checkpoints into --output_dir (§6.1; never an earlier run's) and load the average into `model`, which the
-    test set then scores.
-
-    Raises:
-        CheckError: this run saved fewer than N checkpoints.
-    """
-    n = run.recipe.average_last
-    if not n:
-        return
-    from vaswani_hf import VaswaniForConditionalGeneration
-
-    average_current_run(run.output_dir, n, started=run.plan.started, resuming=run.plan.resuming)
-    model.load_state_dict(VaswaniForConditionalGeneration.from_pretrained(run.output_dir).state_dict(), strict=True)
-    logger.info("Averaged the last %d checkpoints into %s", n, run.output_dir)
 
 
 def run_metrics(run: Run, model, *, steps: int, epochs: float, train_seconds: float, device: torch.device,

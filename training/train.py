@@ -49,6 +49,8 @@ from vaswani_hf.kernels_vaswani import training_fast_paths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
+from .checkpoints import average_into, write_run_settings
+from .output_dir import claim_output_dir, retire_previous_results
 from .planner import BudgetPlanner
 from .precision import cpu_precision
 from .prepare import select, token_budget_sampler, training_stream
@@ -56,23 +58,19 @@ from .presets import resolve_preset
 from .run import (
     HubPush,
     Run,
-    average_into,
     check_distributed,
     check_inputs,
     check_positions,
-    claim_output_dir,
     command_cli,
     count_test_sentences,
     finish,
     given_flags,
     new_run,
     prepare,
-    retire_previous_results,
     run_metrics,
     seconds_per_test_sentence,
     start_process,
     strip_hub_token,
-    write_run_settings,
 )
 
 logger = logging.getLogger("vaswani_hf.train")
@@ -288,7 +286,7 @@ class StreamEpochs(TrainerCallback):
 
 
 class CheckpointSettings(TrainerCallback):
-    """Writes the run's settings into each checkpoint (`run_checks.RUN_SETTINGS`, read when the run is resumed) and
+    """Writes the run's settings into each checkpoint (`checkpoints.RUN_SETTINGS`, read when the run is resumed) and
     gives its weights the modes of the user's umask."""
 
     def __init__(self, run: Run):

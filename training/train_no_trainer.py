@@ -64,30 +64,26 @@ from vaswani_hf.kernels_vaswani import training_fast_paths
 from vaswani_hf.schedule import paper_optimizer_and_schedule
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
-from .atomic import write_json_atomic
+from .checkpoints import RUN_SETTINGS, average_into, run_settings
+from .output_dir import claim_output_dir, retire_previous_results, write_json_atomic
 from .precision import cpu_precision
 from .prepare import token_budget_sampler
 from .presets import resolve_preset
 from .run import (
     HubPush,
     Run,
-    average_into,
     check_distributed,
     check_inputs,
     check_positions,
-    claim_output_dir,
     command_cli,
     count_test_sentences,
     finish,
     new_run,
     prepare,
-    retire_previous_results,
     run_metrics,
-    run_settings,
     start_process,
     training_deadline,
 )
-from .run_checks import RUN_SETTINGS
 
 logger = logging.getLogger("vaswani_hf.train_no_trainer")
 
@@ -162,7 +158,7 @@ def check_loop_arguments(loop: LoopArguments) -> None:
 def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict, tokenizer, *, keep: int | None,
                     settings: dict | None = None) -> Path:
     """`accelerator.save_state` into `.tmp-checkpoint-<step>`, plus the tokenizer, the loop state and the run's
-    `settings` (`run_checks.RUN_SETTINGS`, read when it is resumed), then rename it `checkpoint-<step>` (so a folder of
+    `settings` (`checkpoints.RUN_SETTINGS`, read when it is resumed), then rename it `checkpoint-<step>` (so a folder of
     that name is always complete) and delete all but the `keep` newest. Every process must call it (each writes its
     RNG state); output_dir must be on a filesystem all nodes share."""
     final = output_dir / f"checkpoint-{step}"

@@ -1,14 +1,17 @@
-"""The one validation module: the checks every command runs before any long work (nothing it writes may destroy what
-it reads, every output can be written, a training folder has one run at a time, a model folder is whole and
-self-consistent) and `CheckError`, the one error type of bad input in the library and the commands.
+"""The library's checks of inputs and outputs, and `CheckError`, the one error type of bad input in the library and
+the commands: an output folder or file can be written and destroys no input (`check_output_dir`, `check_output_file`,
+`check_output_not_in_inputs`), a JSON file parses (`read_json`), a model folder is whole and self-consistent
+(`check_model_folder`: its config, complete safetensors weights, a tokenizer that matches); and of a folder's weights,
+the tensors that hold NaN or infinite values (`nonfinite_weights`) and the fingerprint that names the weights a
+`metrics.json` describes (`weights_fingerprint`).
 
 `CheckError` is a `ValueError`, as transformers raises for bad input; its message names the path or flag at fault,
 what is wrong and what to do.
 
-It also holds what the commands need to keep outputs honest: `follow_umask` (files made through `tempfile` or by
-safetensors are 0600, folders 0700; the commands' outputs get the modes `open()` and `mkdir()` give under the user's
-umask, as transformers' own JSON files do), `nonfinite_weights` and `weights_fingerprint` (which weights a
-`metrics.json` describes).
+It also holds how the library writes its outputs: `replace_file_atomically` (a file) and `swap_in_folder` (a folder)
+never leave half an output under its final name, and `follow_umask` gives what they write through `tempfile` or
+safetensors (0600 files, 0700 folders) the modes `open()` and `mkdir()` give under the user's umask, as transformers'
+own JSON files have.
 """
 
 from __future__ import annotations
@@ -23,12 +26,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckError", "RunLock", "check_model_folder", "check_output_dir", "check_output_file",
+__all__ = ["CheckError", "check_model_folder", "check_output_dir", "check_output_file",
            "check_output_not_in_inputs", "check_tokenizer_matches", "current_umask", "follow_umask",
            "nonfinite_weights", "read_json", "safetensors_problem", "weight_files", "weights_fingerprint",
            "weights_problems"]
-
-LOCK_NAME = ".vaswani.lock"
 
 
 class CheckError(ValueError):
@@ -211,59 +212,6 @@ def check_output_dir(path: str | os.PathLike, *, flag: str = "--output_dir") -> 
             raise CheckError(f"{flag} {path} is not writable; choose another folder or fix its permissions.")
         return
     _check_can_create_in(path, flag)
-
-
-class RunLock:
-    """An exclusive lock on `<folder>/.vaswani.lock` for as long as a run writes `folder`; a second run into the same
-    folder is refused at once instead of both overwriting each other's checkpoints and both exiting 0.
-
-    The lock is an `fcntl.flock` held by the open file, so the kernel releases it when the process ends, even after
-    SIGKILL; a stale lock file does not block the next run. Where `fcntl` does not exist (Windows) there is no lock.
-    """
-
-    def __init__(self, folder: str | os.PathLike):
-        self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
-        self._handle = None
-        self._created = False
-
-    def acquire(self) -> RunLock:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not on Linux/macOS
-            return self
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._created = not self.path.exists()
-        handle = open(self.path, "a+")
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip()
-            handle.close()
-            raise CheckError(f"{self.folder}: another run is writing this folder ({holder or 'process unknown'}; lock "
-                             f"{self.path}). Wait for it to finish, or choose another --output_dir.") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
-        self._handle = handle
-        return self
-
-    def release(self, *, remove: bool = False) -> None:
-        """Release the lock; `remove`: also delete the lock file if this lock created it (a run refused before it
-        wrote anything leaves the folder as it found it)."""
-        if self._handle is not None:
-            if remove and self._created:
-                self.path.unlink(missing_ok=True)
-            self._handle.close()  # closing the file releases the flock
-            self._handle = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 def safetensors_problem(path: str | os.PathLike) -> str | None:
