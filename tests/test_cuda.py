@@ -21,6 +21,7 @@ import torch
 from helpers import ENGLISH, GERMAN, ROOT, copy_sources, free_port, tiny_model, trained_copy_model, write_jsonl
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration
+from vaswani_hf.fast_paths_vaswani import training_fast_paths
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -59,9 +60,10 @@ def to(batch: dict, device) -> dict:
 
 def loss_and_grads(model, batch, bf16: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        loss = model(**batch, label_smoothing=0.1).loss
-    loss.backward()
+    with training_fast_paths(model, 0.1):  # the training commands' label-smoothed loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch).loss
+        loss.backward()
     return loss.detach().float(), {name: p.grad.detach().float().clone() for name, p in model.named_parameters()}
 
 
@@ -119,7 +121,7 @@ def logits_and_grads(attn: str, batch: dict, bf16: bool, **overrides) -> tuple[t
                        attn_implementation=attn).cuda().train()
     assert model.config._attn_implementation == attn
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        out = model(**batch, skip_logits=False)
+        out = model(**batch)
     out.loss.backward()
     return out.logits.float().detach(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
 

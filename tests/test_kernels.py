@@ -33,15 +33,9 @@ import torch.nn.functional as F
 from helpers import padded_batch, tiny_model, trained_copy_model
 from torch import nn
 
-from vaswani_hf import kernels_vaswani
-from vaswani_hf.kernels_vaswani import (
-    CPUDropout,
-    OneDNNLinear,
-    cpu_dropout,
-    inference_fast_paths,
-    training_fast_paths,
-    unpad_batch,
-)
+from vaswani_hf import fast_paths_vaswani, kernels_vaswani
+from vaswani_hf.fast_paths_vaswani import inference_fast_paths, training_fast_paths
+from vaswani_hf.kernels_vaswani import CPUDropout, OneDNNLinear, cpu_dropout, unpad_batch
 from vaswani_hf.modeling_vaswani import cross_entropy_loss
 
 PLAIN_TYPES = {"Linear", "Dropout", "LayerNorm", "Embedding"}
@@ -351,7 +345,7 @@ def test_weights_packed_by_one_generate_are_not_reused_after_the_weights_change(
     model = tiny_model(dropout=0.0).eval()
     ids, mask = padded_batch(length=9)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)  # packs and keeps
-    assert model.lm_head in kernels_vaswani._PACKED
+    assert model.lm_head in fast_paths_vaswani._PACKED
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
     labels, _ = padded_batch(seed=3, length=7)
     if update == "fused_adam_as_trainer_does":
@@ -360,7 +354,7 @@ def test_weights_packed_by_one_generate_are_not_reused_after_the_weights_change(
     optimizer.step()  # the version counters stay where they were
     model.eval()
     fresh = copy.deepcopy(model)  # nothing packed comes with a copy
-    assert module_types(fresh) == PLAIN_TYPES and fresh.lm_head not in kernels_vaswani._PACKED
+    assert module_types(fresh) == PLAIN_TYPES and fresh.lm_head not in fast_paths_vaswani._PACKED
     fresh.keep_packed_cpu_linears = False
     expected = fresh.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True,
                               return_dict_in_generate=True)
@@ -398,7 +392,7 @@ def test_one_model_decodes_for_several_threads_at_once():
         assert torch.equal(results[index], expected)
     assert len({tuple(out[0].tolist()) for out in alone}) > 1  # the batches translate differently
     assert module_types(model) == PLAIN_TYPES and model.config._attn_implementation == "sdpa"
-    assert not kernels_vaswani._INSTALLED
+    assert not fast_paths_vaswani._INSTALLED
 
 
 # fp32 CPU training linears in oneDNN (`OneDNNLinear`, `cpu_training_matmul`) -----------------------------------------
@@ -634,7 +628,7 @@ def copy_task_batch(left_padded: bool = False):
 def broken_unpadding(monkeypatch, bug: str) -> None:
     """Controls: unpadding with a bug. "misplaced": source row 1's tokens at positions 4.. (as if left-padded);
     "dropped": source row 0's first token left out."""
-    real = kernels_vaswani.unpad_batch
+    real = fast_paths_vaswani.unpad_batch
 
     def unpad(inputs, labels):
         result = real(inputs, labels)
@@ -652,7 +646,7 @@ def broken_unpadding(monkeypatch, bug: str) -> None:
             packed["cu_seq_lens_source"] = torch.cat([cu[:1], cu[1:] - 1])
         return packed, target
 
-    monkeypatch.setattr(kernels_vaswani, "unpad_batch", unpad)
+    monkeypatch.setattr(fast_paths_vaswani, "unpad_batch", unpad)
 
 
 def step(model, ids, mask, labels, fast: bool = True, label_smoothing: float = 0.1, **kwargs):
@@ -734,8 +728,8 @@ def test_the_padded_layout_where_unpadding_would_change_a_result_or_gain_nothing
     model = tiny_model(dropout=0.0)
     ids, mask, labels = batch()
     calls = []
-    real = kernels_vaswani.unpad_batch
-    monkeypatch.setattr(kernels_vaswani, "unpad_batch", lambda *args: calls.append(real(*args)) or calls[-1])
+    real = fast_paths_vaswani.unpad_batch
+    monkeypatch.setattr(fast_paths_vaswani, "unpad_batch", lambda *args: calls.append(real(*args)) or calls[-1])
     for source_mask, targets in ((mask.flip(1), labels), (torch.ones_like(mask), labels.clamp(min=4))):
         fast_loss, fast_grads = step(model, ids, source_mask, targets)  # left-padded; no padding at all
         plain_loss, plain_grads = step(model, ids, source_mask, targets, fast=False)
@@ -843,10 +837,10 @@ def test_the_training_commands_trainer_runs_its_steps_with_every_cpu_fast_path(t
 
     monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "onednn")
     seen, fused, unpadded = [], [], []
-    real_fused, real_unpad = kernels_vaswani.cpu_projected_cross_entropy, kernels_vaswani.unpad_batch
-    monkeypatch.setattr(kernels_vaswani, "cpu_projected_cross_entropy",
+    real_fused, real_unpad = fast_paths_vaswani.cpu_projected_cross_entropy, fast_paths_vaswani.unpad_batch
+    monkeypatch.setattr(fast_paths_vaswani, "cpu_projected_cross_entropy",
                         lambda *args: fused.append(args[3]) or real_fused(*args))
-    monkeypatch.setattr(kernels_vaswani, "unpad_batch", lambda *args: unpadded.append(1) or real_unpad(*args))
+    monkeypatch.setattr(fast_paths_vaswani, "unpad_batch", lambda *args: unpadded.append(1) or real_unpad(*args))
     model = tiny_model()
     model.model.encoder.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append((module_types(model), model.config._attn_implementation,

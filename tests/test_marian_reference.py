@@ -8,6 +8,7 @@ sentence, the length penalty and the finished-sentence skipping never come into 
 variant beside it (a wrong positional permutation, a shifted label) that misses the tolerance by orders of magnitude.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -18,7 +19,8 @@ from transformers import MarianConfig, MarianMTModel
 from vaswani_hf import VaswaniForConditionalGeneration, conversion_marian
 from vaswani_hf.conversion_marian import from_marian, marian_permutation, to_marian
 from vaswani_hf.data import multi30k_file, read_lines
-from vaswani_hf.kernels_vaswani import RealTokens
+from vaswani_hf.fast_paths_vaswani import training_fast_paths
+from vaswani_hf.kernels_vaswani import OneDNNLinear
 
 SENTENCES = 256  # of Multi30k test2016's source side, decoded by both implementations
 BATCH = 64  # sentences per generate() call: padded batches of mixed lengths
@@ -196,21 +198,24 @@ def test_generate_gives_marians_tokens(model, tokenizer, test_pairs, marian_toke
     monkeypatch.setattr(model, "skip_finished_sentences", fast_paths)
     settings = GREEDY if search == "greedy" else BEAM
     rows, handle = _decoder_rows(model)
+    packed = []
+    packing = model.model.encoder.register_forward_pre_hook(
+        lambda module, args: packed.append(type(model.lm_head) is OneDNNLinear))
     try:
-        with model.cpu_packed_linears() as packed:
-            ours = _decode(model, tokenizer, test_pairs[0], **settings)
+        ours = _decode(model, tokenizer, test_pairs[0], **settings)
     finally:
         handle.remove()
+        packing.remove()
     theirs = marian_tokens[search]
     mismatches = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     ended = sum(row[-1] == 2 for row in ours)
     print(f"{search}, fast paths {fast_paths}: {len(ours)} sentences, {len(mismatches)} differ from Marian, "
-          f"{ended} end in </s>, packed linears {packed}, fewest decoder rows {min(rows)}")
+          f"{ended} end in </s>, packed linears {all(packed)}, fewest decoder rows {min(rows)}")
     assert len(ours) == len(theirs) == SENTENCES
     if mismatches:
         _check_near_ties(model, tokenizer, test_pairs[0], mismatches, settings, ours, theirs)
     assert ended >= SENTENCES // 2  # most sentences end before the limit: </s> and the length penalty matter
-    assert packed == (fast_paths and torch.backends.mkldnn.is_available())
+    assert set(packed) == {fast_paths and torch.backends.mkldnn.is_available()}
     if search == "beam":
         # the finished-sentence skipping ran decoding steps on fewer rows than batch x beams
         assert (min(rows) < BATCH * BEAM["num_beams"] // 2) == fast_paths
@@ -226,21 +231,22 @@ def test_beam_search_differs_from_greedy(marian_tokens):
 # Training ------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["fused-loss", "real-tokens", "padded"])
-def test_training_step_gives_marians_loss_and_gradients(model, tokenizer, test_pairs, monkeypatch, path):
-    """A training-mode step on a padded batch: our CPU paths (`RealTokens`: the layers on real tokens only; the output
-    projection fused with the loss) and the plain padded one give Marian's loss and gradients."""
-    monkeypatch.setattr(RealTokens, "enabled", path != "padded")
+@pytest.mark.parametrize("path", ["fast-paths", "unfused-loss", "plain"])
+def test_training_step_gives_marians_loss_and_gradients(model, tokenizer, test_pairs, path):
+    """A training-mode step on a padded batch gives Marian's loss and gradients: as the training commands take it
+    (`training_fast_paths`: the layers on the unpadded tokens, the output projection fused with the loss), with the
+    loss from the projection's logits (a hook on lm_head keeps its own forward), and on the plain model."""
     ours = copy.deepcopy(model).train()
     marian = to_marian(ours).train()
     batch = multi30k_batch(tokenizer, *(side[:32] for side in test_pairs))
-    output = ours(**batch, skip_logits=None if path == "fused-loss" else False)
+    hook = ours.lm_head.register_forward_hook(lambda module, args, out: None) if path == "unfused-loss" else None
+    with training_fast_paths(ours, 0.0) if path != "plain" else contextlib.nullcontext():
+        output = ours(**batch)
+        output.loss.backward()
     expected = marian(**batch)
-    if path == "fused-loss":
-        assert output.logits is None  # the loss came from the fused projection
-    elif path == "real-tokens":
-        assert output.logits[batch["labels"].eq(-100)].eq(0).all()  # padded positions were left out
-    output.loss.backward()
+    if hook is not None:
+        hook.remove()
+    assert (output.logits is None) == (path != "plain")  # the training forward returns the loss only
     expected.loss.backward()
     print(f"{path}: loss {output.loss.item():.6f}, Marian {expected.loss.item():.6f}")
     assert abs(output.loss.item() - expected.loss.item()) <= LOSS_TOLERANCE * expected.loss.item()

@@ -30,7 +30,7 @@ import vaswani_hf.configuration_vaswani as configuration_vaswani
 import vaswani_hf.modeling_vaswani as modeling
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
 from vaswani_hf.decoding.translate import translate_sentences
-from vaswani_hf.kernels_vaswani import training_fast_paths
+from vaswani_hf.fast_paths_vaswani import training_fast_paths
 from vaswani_hf.modeling_vaswani import CACHE_NAME, cross_entropy_loss, shift_tokens_right, sinusoidal_table
 
 ATOL = 1e-5

@@ -22,8 +22,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM, AutoToken
 import vaswani_hf
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration, VaswaniModel
 
-CODE_FILES = ("configuration_vaswani.py", "generation_vaswani.py", "kernels_vaswani.py", "loading_vaswani.py",
-              "modeling_vaswani.py")
+CODE_FILES = ("configuration_vaswani.py", "fast_paths_vaswani.py", "generation_vaswani.py", "inputs_vaswani.py",
+              "kernels_vaswani.py", "loading_vaswani.py", "modeling_vaswani.py")
 
 
 def test_importing_the_package_registers_the_auto_classes(tmp_path, tiny_tokenizer):

@@ -56,7 +56,7 @@ def time_training_precisions(config: VaswaniConfig, *, rows: int = 32, length: i
     import copy
 
     from vaswani_hf import VaswaniForConditionalGeneration
-    from vaswani_hf.kernels_vaswani import training_fast_paths
+    from vaswani_hf.fast_paths_vaswani import training_fast_paths
 
     probe = copy.deepcopy(config)
     probe.encoder_layers = probe.decoder_layers = 1

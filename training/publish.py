@@ -13,9 +13,8 @@ The folder holds what `AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_
   `config.json` with the `auto_map` that points the Auto classes at the code below, `generation_config.json`
   (beam 4, length penalty 0.6, §6.1; `generate()` applies it as transformers' |Y|^0.6, not as the paper's GNMT
   penalty);
-- the five model code files (`configuration_vaswani.py`, `modeling_vaswani.py`, `loading_vaswani.py`,
-  `generation_vaswani.py`, `kernels_vaswani.py`): the only code, importing nothing but torch, transformers, safetensors
-  and each other;
+- the seven model code files (`HUB_CODE_FILES`: configuration, modeling, generation, loading, inputs, kernels and
+  fast paths): the only code, importing nothing but torch, transformers, safetensors and each other;
 - `tokenizer.json` and `tokenizer_config.json`: the joint BPE as a plain fast tokenizer (no tokenizer code);
 - `README.md`: the model card, rendered (Jinja2, `huggingface_hub.ModelCard.from_template`) from `model_card.md` at
   the repository root (installed with the commands as package data of vaswani_training): Hub metadata (languages,
@@ -50,8 +49,8 @@ if __package__ in (None, ""):  # run as a file (python training/publish.py): imp
 
 logger = logging.getLogger("vaswani_hf.publish")
 
-HUB_CODE_FILES = ("configuration_vaswani.py", "generation_vaswani.py", "kernels_vaswani.py", "loading_vaswani.py",
-                 "modeling_vaswani.py")
+HUB_CODE_FILES = ("configuration_vaswani.py", "fast_paths_vaswani.py", "generation_vaswani.py", "inputs_vaswani.py",
+                  "kernels_vaswani.py", "loading_vaswani.py", "modeling_vaswani.py")
 # training/model_card.md is a link to the template at the repository root, declared package data of vaswani_training:
 # the wheel holds its content.
 DEFAULT_TEMPLATE_NAME = "model_card.md"
@@ -257,8 +256,8 @@ def check_metrics_match(metrics: dict[str, Any], path: Path, model_dir: Path) ->
 
 
 def check_hub_folder(folder: str | os.PathLike) -> None:
-    """Check what a Hub-ready folder promises: the five model code files and no other code, config.json with auto_map,
-    safetensors weights holding a shared embedding once, a tokenizer, generation config and README.
+    """Check what a Hub-ready folder promises: the model code files (`HUB_CODE_FILES`) and no other code, config.json
+    with auto_map, safetensors weights holding a shared embedding once, a tokenizer, generation config and README.
 
     Raises:
         RuntimeError: naming what is wrong.

@@ -45,7 +45,7 @@ from transformers import (
 
 from vaswani_hf.checks import CheckError, follow_umask, weight_files
 from vaswani_hf.data import PaddedBatches, StreamingTokenBudgetBatches, example_lengths
-from vaswani_hf.kernels_vaswani import training_fast_paths
+from vaswani_hf.fast_paths_vaswani import training_fast_paths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
@@ -112,7 +112,7 @@ class StopWhen(StoppingCriteria):
 
 class PaperTrainer(Seq2SeqTrainer):
     """Seq2SeqTrainer with the paper's optimizer and schedule (§5.3), token-budget training batches (§5.1), and its
-    training steps run with `training_fast_paths` (vaswani_hf/kernels_vaswani.py): the label-smoothed loss of §5.4
+    training steps run with `training_fast_paths` (vaswani_hf/fast_paths_vaswani.py): the label-smoothed loss of §5.4
     (`--label_smoothing_factor`, in training steps only, so that `eval_loss` and its perplexity are unsmoothed; exact
     under gradient accumulation) and, on a CPU, the fast paths of a training step.
 
@@ -460,7 +460,8 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
     metrics.update(run_metrics(run, trainer.model, steps=state.global_step, epochs=state.epoch or 0.0,
                                train_seconds=train_seconds, device=trainer.args.device,
                                distributed_type=trainer.accelerator.distributed_type.value,
-                               world_size=training_args.world_size, mixed_precision=training_args.mixed_precision))
+                               world_size=training_args.world_size, mixed_precision=training_args.mixed_precision,
+                               label_smoothing=training_args.label_smoothing_factor))
     if not data_args.streaming:  # a stream's length is not known
         # Source + target tokens without padding: epochs (fractional) x tokens in one pass over the data.
         src_lengths, tgt_lengths = example_lengths(tokenized["train"])

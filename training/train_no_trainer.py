@@ -60,7 +60,7 @@ from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.averaging import find_checkpoints
 from vaswani_hf.checks import CheckError, follow_umask, read_json, weight_files
 from vaswani_hf.data import PaddedBatches
-from vaswani_hf.kernels_vaswani import training_fast_paths
+from vaswani_hf.fast_paths_vaswani import training_fast_paths
 from vaswani_hf.schedule import paper_optimizer_and_schedule
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
@@ -325,7 +325,7 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
     start = time.perf_counter()
     saved_at = time.monotonic()  # --save_every_minutes counts from the last checkpoint
     model.train()
-    # the label-smoothed loss of §5.4 and, on a CPU, the fast paths of a training step (kernels_vaswani.py)
+    # the label-smoothed loss of §5.4 and, on a CPU, the fast paths of a training step (fast_paths_vaswani.py)
     with training_fast_paths(accelerator.unwrap_model(model), loop.label_smoothing_factor):
         while completed < max_steps:
             micro_batches = [next(batches) for _ in range(accumulation)]
@@ -385,7 +385,8 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
     metrics.update(run_metrics(job, unwrapped, steps=completed, epochs=completed * accumulation / batches_per_epoch,
                                train_seconds=train_seconds, device=accelerator.device,
                                distributed_type=accelerator.distributed_type.value,
-                               world_size=accelerator.num_processes, mixed_precision=accelerator.mixed_precision))
+                               world_size=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
+                               label_smoothing=loop.label_smoothing_factor))
     metrics["train_target_tokens"] = int(target_tokens.item())  # labelled target tokens, all processes
     metrics["gradient_accumulation_steps"] = accumulation
     if accelerator.is_main_process:

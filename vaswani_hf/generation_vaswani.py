@@ -2,25 +2,21 @@
 `generate()`, and what makes it cheaper than transformers' defaults while returning the same tokens. The model's
 forward knows none of it: everything here enters through `generate()`'s hooks and its cache.
 
-- `VaswaniGenerationMixin`: `generate()` (pads after `</s>`; runs with kernels_vaswani.py's fast paths installed for
+- `VaswaniGenerationMixin`: `generate()` (pads after `</s>`; runs with the CPU fast paths installed for
   the call), and the generation hooks that keep one encoder row per sentence, make the in-place cache, leave finished
   sentences out of beam search and reorder only the self-attention cache;
 - `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer;
 - `FinishedSentenceSkipping`: the state of one beam search that leaves out the sentences it has finished;
-- `CACHE_NAME`, `one_cache`: the cache keyword, `cache=` (transformers >= 5.24) or `past_key_values=`;
-- `check_generation_values`: generation settings of the wrong type refused with the field named.
+- `CACHE_NAME`, `one_cache`: the cache keyword, `cache=` (transformers >= 5.24) or `past_key_values=`.
 
-It imports only torch, transformers and `kernels_vaswani.py`: transformers copies it beside the model code (relative
-imports) for `trust_remote_code=True`.
+It imports only torch, transformers, `fast_paths_vaswani.py` and `inputs_vaswani.py`: transformers copies it beside the
+model code (relative imports) for `trust_remote_code=True`.
 """
 
 import contextvars
 import copy
 import functools
-import math
-import numbers
 import warnings
-from collections.abc import Mapping
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, PretrainedConfig
@@ -28,7 +24,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderD
 from transformers.modeling_outputs import Seq2SeqLMOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .kernels_vaswani import inference_fast_paths
+from .fast_paths_vaswani import inference_fast_paths
+from .inputs_vaswani import GENERATION_FIELDS, check_generation_values
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model keyword, `generate()`'s model_kwargs, output field) and
 # keeps the old name as a deprecated alias; the model takes either and speaks the installed version's name.
@@ -47,57 +44,6 @@ def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | Non
         warnings.warn("`past_key_values` is deprecated (transformers >= 5.24): use `cache` instead.", FutureWarning,
                       stacklevel=3)
     return cache if cache is not None else past_key_values
-
-
-# Generation settings whose wrong type transformers reports deep inside a decoding loop, or not at all.
-_INTEGERS = ("num_beams", "num_return_sequences", "max_length", "max_new_tokens", "min_length", "min_new_tokens",
-             "top_k", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "num_beam_groups")
-_AT_LEAST_ONE = ("num_beams", "num_return_sequences")  # transformers divides by them or sizes tensors with them
-_NUMBERS = ("length_penalty", "temperature", "top_p", "min_p", "typical_p", "repetition_penalty",
-            "encoder_repetition_penalty", "diversity_penalty", "epsilon_cutoff", "eta_cutoff", "max_time")
-_FLAGS = ("do_sample", "use_cache", "output_scores", "output_logits", "output_attentions", "output_hidden_states",
-          "return_dict_in_generate", "renormalize_logits", "remove_invalid_values")
-_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id",
-              "forced_eos_token_id")
-GENERATION_FIELDS = _INTEGERS + _NUMBERS + _FLAGS + _TOKEN_IDS + ("early_stopping",)
-
-
-def _is_integer(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_generation_values(values: Mapping, where: str) -> None:
-    """Refuse generation settings (`GenerationConfig` fields or `generate()` keywords) of the wrong type, which
-    transformers would report as a `TypeError` deep in its decoding loop (`length_penalty="x"`) or not at all
-    (`max_length=3.5`). Names not in `GENERATION_FIELDS` and `None` values are not checked.
-
-    Args:
-        values: field name -> value.
-        where: what the values come from, for the message (a file, "generate()").
-    Raises:
-        ValueError: naming `where`, the field, its value and the type it must have.
-    """
-    for name, value in values.items():
-        if value is None or name not in GENERATION_FIELDS:
-            continue
-        if name in _INTEGERS:
-            minimum = 1 if name in _AT_LEAST_ONE else None
-            good = _is_integer(value) and (minimum is None or value >= minimum)
-            expected = "an integer >= 1" if minimum else "an integer"
-        elif name in _NUMBERS:
-            good = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            expected = "a finite number"
-        elif name in _FLAGS:
-            good, expected = isinstance(value, bool), "true or false"
-        elif name == "early_stopping":
-            good, expected = isinstance(value, bool) or value == "never", 'true, false or "never"'
-        else:  # token ids; eos_token_id may list several
-            ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
-            good = bool(ids) and all(_is_integer(i) and i >= 0 for i in ids)
-            expected = "a token id (an integer >= 0)" + (" or a list of them" if name == "eos_token_id" else "")
-        if not good:
-            raise ValueError(f"{where}: {name} must be {expected}, got {value!r}. Pass or write it as "
-                             f"{expected.split(' (')[0]} (in JSON without quotes for numbers and true/false).")
 
 
 # Incremental decoding: the decoder self-attention cache ---------------------------------------------------------------
@@ -350,14 +296,14 @@ class VaswaniGenerationMixin(GenerationMixin):
     logits processors, a cache passed as `cache=`, `prepare_inputs_for_generation`) cannot do what it does.
     """
 
-    use_cpu_packed_linears: bool = True  # see kernels_vaswani.inference_fast_paths
-    keep_packed_cpu_linears: bool = True  # see kernels_vaswani.inference_fast_paths
+    use_cpu_packed_linears: bool = True  # see fast_paths_vaswani.inference_fast_paths
+    keep_packed_cpu_linears: bool = True  # see fast_paths_vaswani.inference_fast_paths
     skip_finished_sentences: bool | None = None  # see _beam_search(): None = on a CPU only
 
     @staticmethod
     def default_generation_config(config: PretrainedConfig) -> GenerationConfig:
         """Beam 4, length penalty 0.6 (§6.1; applied as transformers does, the score over |Y|^0.6, where the paper's
-        GNMT penalty divides by ((5 + |Y|) / 6)^0.6: `vaswani_hf.decoding.paper_generate`), starting from
+        GNMT penalty divides by ((5 + |Y|) / 6)^0.6: the package's `decoding.paper_generate`), starting from
         `decoder_start_token_id` and ending at `</s>`."""
         return GenerationConfig(
             num_beams=4,
@@ -371,7 +317,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         )
 
     def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, run with kernels_vaswani.py's fast paths (`inference_fast_paths`), then
+        """`GenerationMixin.generate`, run with the CPU fast paths installed (`inference_fast_paths`), then
         positions after each sequence's first `</s>` set to `pad_token_id`.
 
         transformers' beam search fills finished hypotheses with `pad_token_id or eos_token_id`, which picks

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import GenerationConfig, PretrainedConfig
 from transformers.utils import cached_file, logging
 
-from .generation_vaswani import check_generation_values
+from .inputs_vaswani import check_generation_values
 
 logger = logging.get_logger(__name__)
 

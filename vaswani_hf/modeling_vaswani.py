@@ -11,14 +11,12 @@ The file reads top to bottom like the paper, and runs as it reads:
     §3.4    shared embeddings and softmax ..... VaswaniModel, VaswaniForConditionalGeneration
     §5.4    label-smoothed cross-entropy ...... cross_entropy_loss
 
-Speed enters from outside, through what transformers and torch provide, and computes what this file computes:
-`kernels_vaswani.py` holds the CPU fast paths (an attention function registered with transformers'
-`AttentionInterface`, linear and dropout modules swapped in for a training run or a `generate()` call, a fused output
-projection and loss), `generation_vaswani.py` the decoding (`generate()` with the paper's beam search, the KV cache,
-finished sentences left out of beam search). A model you build or load is made of plain `nn.Linear`, `nn.Dropout` and
-`nn.LayerNorm` modules. Beside this file, and copied to the Hub with it for `trust_remote_code=True`:
-`configuration_vaswani.py`, `generation_vaswani.py`, `kernels_vaswani.py`, `loading_vaswani.py`; they import only
-torch, transformers, safetensors and each other.
+Speed enters from outside and computes what this file computes: `kernels_vaswani.py` holds the CPU fast paths (an
+attention function registered with transformers' `AttentionInterface`, linear and dropout modules, a fused output
+projection and loss) and `fast_paths_vaswani.py` swaps them in for a training run or a `generate()` call;
+`generation_vaswani.py` decodes (beam search, the KV cache, finished sentences left out). A model you build or load
+is made of plain `nn.Linear`, `nn.Dropout` and `nn.LayerNorm` modules. The `*_vaswani.py` files travel to the Hub
+together for `trust_remote_code=True` and import only torch, transformers, safetensors and each other.
 
 Shapes in comments: B batch, S source length, T target length (new tokens), P past (cached) target length,
 D d_model, H heads, Dh = D / H, V vocabulary.
@@ -45,6 +43,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
 from .generation_vaswani import CACHE_NAME, VaswaniGenerationMixin, VaswaniSelfAttentionCache, one_cache
+from .inputs_vaswani import check_encoder_rows, check_input_ids, check_labels
 from .loading_vaswani import VaswaniLoadingMixin
 
 
@@ -457,64 +456,6 @@ class VaswaniPreTrainedModel(VaswaniLoadingMixin, PreTrainedModel):
             init.copy_(module.weight, sinusoidal_table(*module.weight.shape))
 
 
-# Input checks ---------------------------------------------------------------------------------------------------------
-
-
-def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
-    """Raise a clear error for labels outside [0, vocab_size) other than -100 (no loss there), where that costs no
-    device sync and no graph break (CPU tensors, eager); on a GPU the loss kernel's device-side assert stops instead.
-
-    Raises:
-        ValueError: naming the first such label.
-    """
-    if labels.device.type != "cpu" or torch.compiler.is_compiling():
-        return
-    bad = labels.ne(-100) & (labels.lt(0) | labels.ge(vocab_size))
-    if bool(bad.any()):
-        raise ValueError(f"labels hold token id {int(labels[bad][0])}, outside this model's target vocabulary of "
-                         f"{vocab_size} entries (-100 marks positions without loss). The tokenizer does not match the "
-                         "model: use the tokenizer saved with it.")
-
-
-def check_input_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids") -> None:
-    """Raise a clear error for token ids outside the embedding table (a tokenizer/model vocabulary mismatch); the
-    stacks call it on entry. On a GPU it is an asynchronous device assertion (no host sync); a compiled or exported
-    forward skips it (check the ids before the call there: `check_input_ids(ids, model.config.vocab_size)`).
-
-    Raises:
-        ValueError: an id is negative or not less than `vocab_size` (CPU tensors).
-    """
-    if torch.compiler.is_compiling() or not ids.numel():
-        return
-    if ids.device.type != "cpu":
-        torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(),
-                            f"{name} holds a token id outside this model's vocabulary of {vocab_size} entries")
-        return
-    high, low = int(ids.max()), int(ids.min())
-    if high >= vocab_size or low < 0:
-        raise ValueError(
-            f"{name} holds token id {high if high >= vocab_size else low}, outside this model's vocabulary of "
-            f"{vocab_size} entries. The tokenizer does not match the model: load the tokenizer saved with the model, "
-            "or resize the embeddings with model.resize_token_embeddings(len(tokenizer))."
-        )
-
-
-def check_encoder_rows(config: VaswaniConfig, batch: int, rows: int, output_attentions: bool) -> None:
-    """Encoder-decoder attention needs one encoder row per decoder row; an attention function that declares
-    `shares_encoder_rows` (kernels_vaswani.py's, which `generate()` runs) also takes one row per k consecutive
-    decoder rows (a sentence's beams).
-
-    Raises:
-        ValueError: the rows do not pair up that way.
-    """
-    shared = getattr(attention_function(config, output_attentions), "shares_encoder_rows", False)
-    if rows != batch and not (shared and batch % rows == 0):
-        raise ValueError(
-            f"Encoder-decoder attention got {batch} decoder rows for {rows} encoder rows: pass one encoder row per "
-            f"decoder row (repeat_interleave the encoder output and its mask)"
-            + (", or k consecutive decoder rows per encoder row." if shared else "."))
-
-
 # §3.1 The encoder and decoder stacks ----------------------------------------------------------------------------------
 
 
@@ -619,7 +560,8 @@ class VaswaniDecoder(nn.Module):
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
         if encoder_hidden_states is not None and encoder_hidden_states.shape[0] != batch:
-            check_encoder_rows(self.config, batch, encoder_hidden_states.shape[0], output_attentions)
+            check_encoder_rows(attention_function(self.config, output_attentions), batch,
+                               encoder_hidden_states.shape[0])
         if use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(VaswaniSelfAttentionCache(), DynamicCache())
         past, key_length = 0, length
@@ -720,10 +662,8 @@ class VaswaniModel(VaswaniPreTrainedModel):
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(*encoder_outputs)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
-            raise ValueError(
-                "VaswaniModel needs decoder_input_ids (or decoder_inputs_embeds). For training pass labels to "
-                "VaswaniForConditionalGeneration, which shifts them right to make the decoder input."
-            )
+            raise ValueError("VaswaniModel needs decoder_input_ids (or decoder_inputs_embeds). For training pass "
+                             "labels to VaswaniForConditionalGeneration, which shifts them into the decoder input.")
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
@@ -731,15 +671,10 @@ class VaswaniModel(VaswaniPreTrainedModel):
             use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
             return_dict=True, **kwargs)
         output = Seq2SeqModelOutput(
-            last_hidden_state=decoder_outputs.last_hidden_state,
-            **{CACHE_NAME: getattr(decoder_outputs, CACHE_NAME)},
-            decoder_hidden_states=decoder_outputs.hidden_states,
-            decoder_attentions=decoder_outputs.attentions,
-            cross_attentions=decoder_outputs.cross_attentions,
-            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states,
-            encoder_attentions=encoder_outputs.attentions,
-        )
+            last_hidden_state=decoder_outputs.last_hidden_state, **{CACHE_NAME: getattr(decoder_outputs, CACHE_NAME)},
+            decoder_hidden_states=decoder_outputs.hidden_states, decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions, encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state, encoder_attentions=encoder_outputs.attentions)
         return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
@@ -789,7 +724,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         Returns:
             `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the plain
             cross-entropy over labelled tokens (`cross_entropy_loss`), as every transformers model returns it; the
-            training commands train on the label-smoothed loss of §5.4 (kernels_vaswani.py). The cache (`cache=` or
+            training commands train on the label-smoothed loss of §5.4 (fast_paths_vaswani.py). The cache (`cache=` or
             `past_key_values=`) comes back under the installed version's name.
         Raises:
             ValueError: both `cache` and `past_key_values` given; `labels` outside the vocabulary.
@@ -797,7 +732,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         if "label_smoothing" in kwargs:
             raise ValueError("forward() returns the plain cross-entropy and takes no label_smoothing: train on the "
                              "label-smoothed loss of §5.4 with Trainer's label_smoothing_factor, or inside "
-                             "vaswani_hf.kernels_vaswani.training_fast_paths(model, label_smoothing).")
+                             "training_fast_paths(model, label_smoothing) of fast_paths_vaswani.py.")
         if labels is not None:
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
@@ -816,16 +751,10 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
         logits = self.lm_head(hidden_states)  # (B, T, V)
         loss = None if labels is None else cross_entropy_loss(logits, labels, num_items_in_batch)
         output = Seq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
-        )
+            loss=loss, logits=logits, **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
+            decoder_hidden_states=outputs.decoder_hidden_states, decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions, encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states, encoder_attentions=outputs.encoder_attentions)
         return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,221 @@
+"""How kernels_vaswani.py's CPU fast paths are installed from outside the model, and undone:
+
+- every `generate()` call (`VaswaniGenerationMixin`) runs inside `inference_fast_paths`: attention "sdpa" runs as
+  "vaswani_sdpa" (a sentence's beams against one encoder row), and on a CPU in fp32 the model's linear layers become
+  `OneDNNLinear`s with weights prepacked in oneDNN's layout, kept for the next call while the weights are unchanged;
+- the training commands (their trainer and their loop) run inside `training_fast_paths` for the whole run: the
+  model's `forward` trains on the label-smoothed loss of §5.4 (`training_forward`: on a CPU on the unpadded tokens of
+  the batch and with the fused output projection and loss), and on a CPU dropout becomes `CPUDropout`, the linears
+  `OneDNNLinear`s (multiplying in oneDNN where `cpu_training_matmul` chose it) and attention "vaswani_sdpa".
+
+Modules are swapped in place by class, as `torch.nn.utils.parametrize` does: parameters, names, hooks and optimizer
+state stay as they are. Only the model's own plain `nn.Linear`s and `nn.Dropout`s are swapped, not those inside
+another module (a PEFT adapter keeps its own forward) nor hooked ones. An installation is shared by the calls that
+overlap (several threads decoding with one model, a validation's `generate()` inside training) and undone by the last
+one to finish, so that a model outside them is made of plain modules.
+
+It imports only torch, transformers and the model's other files: transformers copies it beside the model code
+(relative imports) for `trust_remote_code=True`.
+"""
+
+import contextlib
+import functools
+import threading
+import weakref
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import Seq2SeqLMOutput
+from transformers.utils import logging
+
+from .kernels_vaswani import CPUDropout, OneDNNLinear, cpu_projected_cross_entropy, has_onednn_linear, unpad_batch
+
+logger = logging.get_logger(__name__)
+
+_LOCK = threading.Lock()
+_INSTALLED: dict[tuple[int, str], list] = {}  # (id(model), what) -> [users, undo]
+_PACKED: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()  # weights packed for inference
+
+
+@contextlib.contextmanager
+def _installed(model: nn.Module, what: str, install):
+    """`install()` (which returns its undo) on entry unless it is in force already; undone when its last user exits,
+    so that calls on one model from several threads, and nested calls, install once."""
+    key = (id(model), what)
+    with _LOCK:
+        entry = _INSTALLED.get(key)
+        if entry is None:
+            entry = _INSTALLED[key] = [0, install()]
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _INSTALLED[key]
+                entry[1]()
+
+
+def _plain(module: nn.Module) -> bool:
+    """No forward hooks (its own or global ones) and no forward replaced on the instance (accelerate's offload)."""
+    hooks = nn.modules.module
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+                or getattr(hooks, "_global_forward_hooks", None) or getattr(hooks, "_global_forward_pre_hooks", None))
+
+
+def own_modules(model: nn.Module, kind: type) -> list[nn.Module]:
+    """The plain (`_plain`) modules of exactly type `kind` that the model's own classes hold; not those inside another
+    module (a PEFT adapter's layers, which that module runs itself)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    home = type(base).__module__
+    return [child for parent in base.modules() if type(parent).__module__ == home for child in parent.children()
+            if type(child) is kind and _plain(child)]
+
+
+def _swap(modules: list[nn.Module], cls: type) -> list[nn.Module]:
+    for module in modules:
+        module.__class__ = cls
+    return modules
+
+
+def _attention(model: nn.Module):
+    """"vaswani_sdpa" in place of "sdpa"; returns the undo."""
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        return lambda: None
+    config._attn_implementation = "vaswani_sdpa"
+
+    def undo():
+        config._attn_implementation = "sdpa"
+    return undo
+
+
+def _packed_weight(module: nn.Linear, keep: bool) -> torch.Tensor:
+    """The module's weight in oneDNN's layout; with `keep`, kept and packed again only when the weight changed: its
+    identity, storage, version counter and a sum over a strided sample of its values (torch's fused Adam writes
+    parameters without advancing the version counter)."""
+    weight = module.weight.detach()
+    if not keep:
+        _PACKED.pop(module, None)
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    state = (id(module.weight), weight.data_ptr(), weight._version, tuple(weight.shape),
+             float(weight.reshape(-1)[::97].double().sum()))
+    kept = _PACKED.get(module)
+    if kept is None or kept[0] != state:
+        kept = _PACKED[module] = (state, torch.ops.mkldnn._reorder_linear_weight(weight, 64))
+    return kept[1]
+
+
+@contextlib.contextmanager
+def inference_fast_paths(model: nn.Module, packed_linears: bool = True, keep_packed: bool = True):
+    """`generate()`'s fast paths for one call: attention "sdpa" runs as "vaswani_sdpa", and, with `packed_linears`,
+    for an fp32 model on a CPU without autocast, the model's linears multiply with oneDNN-packed weights
+    (`OneDNNLinear`). Packing copies each linear weight once (as much memory again); the copies are kept for the next
+    call while the weights are unchanged (`keep_packed=False`: packed at every call, not kept). Undone on exit."""
+    def install():
+        undo_attention = _attention(model)
+        plain, swapped = own_modules(model, nn.Linear), own_modules(model, OneDNNLinear)  # the latter: in training
+        linears = plain + swapped
+        wanted = (packed_linears and has_onednn_linear() and linears and not torch.is_autocast_enabled("cpu")
+                  and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears))
+        try:
+            packed = [_packed_weight(module, keep_packed) for module in linears] if wanted else []
+        except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
+            logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
+            packed = []
+        if packed:
+            _swap(plain, OneDNNLinear)
+            for module, weight in zip(linears, packed, strict=True):
+                module.packed_weight = weight
+
+        def undo():
+            undo_attention()
+            for module in linears if packed else []:
+                del module.packed_weight
+            _swap(plain if packed else [], nn.Linear)
+        return undo
+
+    with _installed(model, "inference", install):
+        yield
+
+
+def training_forward(model: nn.Module, label_smoothing: float):
+    """The model's `forward` for a training run: in training mode with `labels`, the loss is the label-smoothed
+    cross-entropy of §5.4 (`label_smoothing`, epsilon_ls; `modeling_vaswani.cross_entropy_loss`), and `logits` are
+    not returned (Trainer reads the loss only). On a CPU in eager mode the step runs on the batch's unpadded tokens
+    (`unpad_batch`, where "vaswani_sdpa" is the attention), and in fp32 the output projection and the loss are fused
+    (`cpu_projected_cross_entropy`) where `lm_head` is a plain `nn.Linear` without bias. Anything else runs the model's
+    own `forward`."""
+    from .inputs_vaswani import check_labels
+    from .modeling_vaswani import cross_entropy_loss  # imported here: the model file imports this one (generation)
+
+    plain = model.forward
+
+    @functools.wraps(plain)
+    def forward(*args, labels=None, num_items_in_batch=None, **kwargs):
+        if labels is None or not model.training:
+            return plain(*args, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
+        if args or kwargs.get("return_dict") is False or any(kwargs.get(name) for name in (
+                "output_attentions", "output_hidden_states", "use_cache")):
+            outputs = plain(*args, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
+            loss = cross_entropy_loss(outputs[1], labels, num_items_in_batch, label_smoothing)
+            return (loss, *outputs[1:]) if isinstance(outputs, tuple) else Seq2SeqLMOutput(**{**outputs, "loss": loss})
+        kwargs.pop("return_dict", None)
+        if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
+            kwargs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels)
+        unpadded = None
+        if (labels.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+                and model.config._attn_implementation == "vaswani_sdpa"):
+            unpadded = unpad_batch(kwargs, labels)
+        if unpadded is not None:
+            kwargs, labels = unpadded
+        hidden = model.model(**kwargs, use_cache=False, return_dict=True).last_hidden_state  # (B, T, D) or (1, N, D)
+        head, loss = model.lm_head, None
+        if hidden.device.type == "cpu" and type(head) in (nn.Linear, OneDNNLinear) and head.bias is None \
+                and _plain(head):
+            check_labels(labels, head.out_features)
+            labelled = labels.reshape(-1).ne(-100).nonzero()[:, 0]
+            divisor = len(labelled) if num_items_in_batch is None else num_items_in_batch
+            divisor = divisor.clamp(min=1) if torch.is_tensor(divisor) else max(divisor, 1)  # no labels: 0, not NaN
+            loss = cpu_projected_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).index_select(0, labelled),
+                                               head.weight, labels.reshape(-1)[labelled], label_smoothing, divisor)
+        if loss is None:
+            loss = cross_entropy_loss(head(hidden), labels, num_items_in_batch, label_smoothing)
+        return Seq2SeqLMOutput(loss=loss)
+
+    return forward
+
+
+@contextlib.contextmanager
+def training_fast_paths(model: nn.Module, label_smoothing: float = 0.1):
+    """A training run's forward and, for a model on a CPU, its fast paths (see the module docstring), installed for
+    the duration of the run and undone on exit. The training commands' trainer and loop run inside it.
+
+    Args:
+        model: a `VaswaniForConditionalGeneration` (or a PEFT model around one), on the device it trains on.
+        label_smoothing: epsilon_ls of §5.4 (0.1 in the paper), in [0, 1).
+    Raises:
+        ValueError: `label_smoothing` outside [0, 1).
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1) (the paper trains with 0.1), got {label_smoothing}.")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def install():
+        base.forward = training_forward(base, label_smoothing)
+        swapped, undo_attention = [], lambda: None
+        if next(base.parameters()).device.type == "cpu":
+            undo_attention = _attention(base)
+            swapped = [(_swap(own_modules(base, nn.Dropout), CPUDropout), nn.Dropout),
+                       (_swap(own_modules(base, nn.Linear), OneDNNLinear), nn.Linear)]
+
+        def undo():
+            del base.forward
+            undo_attention()
+            for modules, cls in swapped:
+                _swap(modules, cls)
+        return undo
+
+    with _installed(base, "training", install):
+        yield
