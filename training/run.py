@@ -323,10 +323,12 @@ def training_deadline(run: Run, *, test_sentences: int) -> float | None:
 
 
 def run_metrics(run: Run, model, *, steps: int, epochs: float, train_seconds: float, device: torch.device,
-                distributed_type: str, world_size: int, mixed_precision: str | None) -> dict[str, Any]:
+                distributed_type: str, world_size: int, mixed_precision: str | None,
+                label_smoothing: float) -> dict[str, Any]:
     """The metrics both loops record for a run (metrics.json); each loop adds its own (loss, tokens, plan)."""
     return {
         "preset": run.model_args.preset,
+        "label_smoothing": label_smoothing,
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_steps": steps,
         "train_epochs": round(epochs, 2),
