@@ -33,7 +33,6 @@ PAPER_BASE = dict(
     share_encoder_decoder_embeddings=True,
     tie_word_embeddings=True,
     scale_embedding=True,
-    label_smoothing=0.1,
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
@@ -60,7 +59,6 @@ OVERRIDES = dict(
     share_encoder_decoder_embeddings=False,
     tie_word_embeddings=False,
     scale_embedding=False,
-    label_smoothing=0.0,
     layer_norm_eps=1e-6,
     use_cache=False,
     pad_token_id=3,
@@ -105,6 +103,17 @@ def test_every_field_is_overridable_and_survives_save_and_load(tmp_path):
     assert isinstance(via_auto, VaswaniConfig) and via_auto.d_ff == 100
 
 
+def test_a_config_of_earlier_releases_with_label_smoothing_loads_without_it(tmp_path):
+    """Label smoothing is a setting of training (--label_smoothing_factor), not of the model: a config.json that still
+    carries it loads, and the field is not written back."""
+    config = VaswaniConfig(d_model=64, num_heads=4).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "label_smoothing": 0.1}))
+    loaded = VaswaniConfig.from_pretrained(tmp_path)
+    assert loaded.d_model == 64 and not hasattr(loaded, "label_smoothing")
+    loaded.save_pretrained(tmp_path / "again")
+    assert "label_smoothing" not in json.loads((tmp_path / "again" / "config.json").read_text())
+
+
 def test_saved_config_carries_auto_map(tmp_path):
     VaswaniConfig().save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -133,7 +142,6 @@ def test_saved_config_carries_auto_map(tmp_path):
         (dict(dropout=-0.1), r"dropout must be in \[0, 1\)"),
         (dict(attention_dropout=1.5), r"attention_dropout must be in \[0, 1\)"),
         (dict(activation_dropout=-0.01), r"activation_dropout must be in \[0, 1\)"),
-        (dict(label_smoothing=1.0), r"label_smoothing must be in \[0, 1\)"),
         (dict(target_vocab_size=50), "share_encoder_decoder_embeddings=True needs one vocabulary"),
         (dict(activation_function="mish"), "unknown activation_function 'mish'"),
         (dict(position_embedding_type="rotary"), "unknown position_embedding_type 'rotary'"),
@@ -273,7 +281,7 @@ def test_constructing_a_config_checks_types_and_ranges():
 FIELDS = ["vocab_size", "target_vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff",
           "dropout", "attention_dropout", "activation_dropout", "activation_function", "normalize_before",
           "position_embedding_type", "max_position_embeddings", "share_encoder_decoder_embeddings",
-          "tie_word_embeddings", "scale_embedding", "label_smoothing", "layer_norm_eps", "use_cache", "pad_token_id",
+          "tie_word_embeddings", "scale_embedding", "layer_norm_eps", "use_cache", "pad_token_id",
           "bos_token_id", "eos_token_id", "decoder_start_token_id"]
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(allow_nan=True, allow_infinity=True),
                    st.sampled_from(["relu", "gelu", "learned", "sinusoidal", "true", "false", "no", "", "8"]),

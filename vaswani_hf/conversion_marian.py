@@ -264,7 +264,7 @@ def from_marian(marian: MarianMTModel) -> VaswaniForConditionalGeneration:
 
     The new model has `marian`'s dtype, device, train/eval mode and a copy of its `generation_config` (so `generate()`
     without arguments decodes as `marian` did; set `model.generation_config =
-    model.paper_generation_config(model.config)` for the paper's beam 4 and length penalty 0.6).
+    model.default_generation_config(model.config)` for beam 4 and length penalty 0.6, §6.1).
 
     Raises:
         TypeError: `marian` is not a `MarianMTModel`.
