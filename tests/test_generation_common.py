@@ -22,6 +22,8 @@ from transformers.generation import GenerateBeamEncoderDecoderOutput, GenerateEn
 
 LAYERS, HEADS, D_MODEL, VOCAB = TINY["decoder_layers"], TINY["num_heads"], TINY["d_model"], TINY["vocab_size"]
 HEAD_DIM = D_MODEL // HEADS
+SEED = 16  # a tiny random model whose translations differ between sentences and from beam search
+CONTINUATION_SEED = 4  # one whose greedy translations of the three sentences all differ
 GREEDY = dict(num_beams=1, do_sample=False)
 EVERYTHING = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, output_attentions=True,
                   output_hidden_states=True)
@@ -57,7 +59,7 @@ def forward_logits(model, ids, mask, sequences) -> torch.Tensor:
 def test_dict_outputs_of_every_decoding_method(method, use_cache):
     """Without the cache, greedy and beam search stand for the others."""
     kwargs = METHODS[method]
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     steps = 5
     torch.manual_seed(0)
@@ -111,7 +113,7 @@ def test_dict_outputs_of_every_decoding_method(method, use_cache):
 def test_greedy_scores_are_the_models_own_logits():
     """No logits processor is active in plain greedy search: the scores are the raw logits, which are those of a
     full forward pass over the generated prefix (the cache changes nothing)."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True,
                          output_scores=True, output_logits=True, **GREEDY)
@@ -128,7 +130,7 @@ def test_greedy_scores_are_the_models_own_logits():
 def test_sampled_rows_use_their_own_sentences_logits():
     """Sampling with 3 returned sequences: rows 3i..3i+2 belong to sentence i (their logits are a forward pass on
     sentence i), each sampled token is among the top-k of its raw logits, and the processed scores keep only those."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     torch.manual_seed(0)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=True,
@@ -159,7 +161,7 @@ def test_returned_hypotheses_are_best_first_with_their_transition_scores(do_samp
     """num_return_sequences=num_beams: sentence i's hypotheses are rows i*n.., best first, the first being what
     num_return_sequences=1 returns; each hypothesis' score is the sum of its tokens' scores over its length (length
     penalty 1), as compute_transition_scores() recomputes them from scores and beam_indices."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=7, num_beams=3, length_penalty=1.0,
                   do_sample=do_sample)
@@ -197,7 +199,7 @@ def test_early_stopping_variants_search_longer_for_better_hypotheses():
     """early_stopping=True stops a sentence once it has num_beams finished hypotheses, False when the heuristic says
     no better one can come, "never" only when none can: each later stop keeps every hypothesis of an earlier one, so
     the best score can only rise (and here does for one sentence)."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     best = {}
     for early_stopping in (True, False, "never"):
@@ -219,7 +221,7 @@ def test_returned_cache_holds_every_layers_keys_and_values(beams):
     """An EncoderDecoderCache: self-attention keys/values (batch * beams, heads, generated - 1, head_dim) per decoder
     layer; encoder-decoder attention keys/values (batch, heads, source, head_dim), one row per sentence shared by its
     beams (see VaswaniForConditionalGeneration._expand_inputs_for_generation), equal to the projected encoder output."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, num_beams=beams,
                          return_dict_in_generate=True)
@@ -245,7 +247,7 @@ def test_continuing_from_the_returned_cache_gives_the_tokens_of_one_call():
     """Generate 4 tokens, then 4 more from the returned cache: the same tokens and logits as 8 in one call. The
     continuation passes the whole target prefix with its decoder_attention_mask (which tells transformers how much
     of it the cache holds), or only the prefix's last token."""
-    model = tiny_model()
+    model = tiny_model(CONTINUATION_SEED)
     ids, mask = batch()
     common = dict(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, output_logits=True, **GREEDY)
     whole = model.generate(max_new_tokens=8, min_new_tokens=8, **common)
@@ -272,7 +274,7 @@ def test_continuing_from_the_returned_cache_gives_the_tokens_of_one_call():
 @pytest.mark.parametrize("kwargs", [GREEDY, dict(num_beams=3)], ids=["greedy", "beam"])
 def test_generating_from_inputs_embeds_equals_generating_from_input_ids(kwargs):
     """The encoder takes `inputs_embeds` (the unscaled token embeddings: it scales them by sqrt(d_model) itself)."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     from_ids = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, **kwargs)
     with torch.no_grad():
@@ -293,13 +295,13 @@ def test_assisted_decoding_gives_greedy_search_tokens(assistant):
     """Assisted decoding verifies the candidate tokens with the main model: whatever the assistant proposes (the same
     model, another model, n-grams of the prompt), the tokens are greedy search's. One sentence at a time:
     transformers' assisted generation takes a batch of one."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     proposals = []
     if assistant == "prompt_lookup":
         extra = dict(prompt_lookup_num_tokens=3)
     else:
-        helper = tiny_model() if assistant == "same" else tiny_model(seed=5)
+        helper = tiny_model(SEED) if assistant == "same" else tiny_model(seed=5)
         helper.register_forward_hook(lambda *args: proposals.append(1))
         extra = dict(assistant_model=helper)
     for row in range(3):
@@ -315,7 +317,7 @@ def test_assisted_decoding_gives_greedy_search_tokens(assistant):
 def test_assisted_sampling_returns_one_step_per_token():
     """Assisted decoding with sampling accepts several tokens per main-model call, yet reports one score and one
     attention entry per generated token (query length 1, keys growing by one), and a seed reproduces it."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     runs = []
     for _ in range(2):
@@ -337,7 +339,7 @@ def test_assisted_sampling_returns_one_step_per_token():
 def test_a_target_prefix_is_continued_and_only_its_last_logits_are_needed(kwargs):
     """decoder_input_ids of several tokens: kept as the start of every row, the same continuation with and without
     the cache, and the same with logits_to_keep=0 (all positions projected) as with generate()'s default of 1."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     prefix = torch.tensor([[BOS, 30, 31]] * 3)
     common = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=prefix, max_new_tokens=5, min_new_tokens=5,
@@ -361,7 +363,7 @@ def test_a_target_prefix_is_continued_and_only_its_last_logits_are_needed(kwargs
 
 @pytest.mark.parametrize("kwargs", [GREEDY, dict(num_beams=3)], ids=["greedy", "beam"])
 def test_length_limits(kwargs):
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=0, **kwargs)
@@ -378,7 +380,7 @@ def first_ordinary_token(row: torch.Tensor) -> int:
 
 
 def test_eos_token_id_list_ends_at_any_of_them():
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
     plain = model.generate(**common)
@@ -394,7 +396,7 @@ def test_eos_token_id_list_ends_at_any_of_them():
 
 
 def test_min_new_tokens_keeps_eos_away():
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
     stop = plain[0, 1].item()  # sentence 1's first generated token, made an end-of-sentence token
@@ -410,7 +412,7 @@ def test_min_new_tokens_keeps_eos_away():
 
 
 def test_bad_words_ids_are_never_generated():
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, **GREEDY)
     plain = model.generate(**common)
@@ -425,7 +427,7 @@ def test_bad_words_ids_are_never_generated():
 
 
 def test_forced_bos_and_eos_tokens():
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, **GREEDY)
     plain = model.generate(**common)
@@ -440,7 +442,7 @@ def test_forced_bos_and_eos_tokens():
 def test_repetition_penalty_rescales_the_tokens_seen_so_far():
     """Each step's score of a token already in the target prefix is its logit divided by the penalty (positive) or
     multiplied by it (negative); the others are unchanged."""
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     penalty = 1.7
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
@@ -464,7 +466,7 @@ def test_repetition_penalty_rescales_the_tokens_seen_so_far():
 
 @pytest.mark.parametrize("kwargs", [GREEDY, dict(num_beams=3)], ids=["greedy", "beam"])
 def test_no_repeat_ngram_size_forbids_repeated_ngrams(kwargs):
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, **kwargs)
 
@@ -482,7 +484,7 @@ def test_no_repeat_ngram_size_forbids_repeated_ngrams(kwargs):
 
 
 def test_generation_config_round_trips_and_is_used(tmp_path):
-    model = tiny_model()
+    model = tiny_model(SEED)
     ids, mask = batch()
     model.generation_config.num_beams = 2
     model.generation_config.max_new_tokens = 5
@@ -496,12 +498,12 @@ def test_generation_config_round_trips_and_is_used(tmp_path):
         assert getattr(loaded.generation_config, name) == getattr(model.generation_config, name), name
     out = loaded.generate(input_ids=ids, attention_mask=mask)
     assert out.shape[1] <= 6  # max_new_tokens=5 from the config
-    explicit = tiny_model().generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=5,
+    explicit = tiny_model(SEED).generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=5,
                                      no_repeat_ngram_size=2, length_penalty=1.0, early_stopping=True)
     assert torch.equal(out, explicit)
     assert sentences_differing_from_greedy(loaded, out, dict(num_beams=2), input_ids=ids, attention_mask=mask,
                                            max_new_tokens=5, no_repeat_ngram_size=2) >= 1
-    default = tiny_model().generate(input_ids=ids, attention_mask=mask, max_new_tokens=5)
+    default = tiny_model(SEED).generate(input_ids=ids, attention_mask=mask, max_new_tokens=5)
     assert not torch.equal(default, out)  # the saved config changed the result
     assert loaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3).shape[1] <= 4  # calls override it
 
@@ -513,6 +515,7 @@ def test_generation_config_round_trips_and_is_used(tmp_path):
 def test_compiled_forward_beam_search_gives_eager_tokens(returned):
     """transformers compiles the decoding step of greedy search and sampling itself (tests/test_generation.py); beam
     search runs the model's forward as it is, here a torch.compile'd one (whole graphs, static cache)."""
+    torch._dynamo.reset()  # other tests compiled the same forward: a fresh count of its recompilations
     model = tiny_model(seed=2)
     ids, mask = batch()
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=3,

@@ -122,7 +122,7 @@ def test_seq2seq_trainer_learns_the_copy_task(tmp_path):
 @pytest.mark.parametrize("broken", ["learning_rate_0", "causal_mask_off", "decoder_inputs_are_labels"])
 def test_broken_training_misses_the_threshold(broken, tmp_path, monkeypatch):
     if broken == "causal_mask_off":
-        monkeypatch.setattr(modeling_vaswani, "_causal_mask", future_visible_mask)
+        monkeypatch.setattr(modeling_vaswani, "causal_mask", future_visible_mask)
     run = train_copy_with_trainer(tmp_path, learning_rate=0.0 if broken == "learning_rate_0" else 5e-3,
                                   decoder_inputs_are_labels=broken == "decoder_inputs_are_labels")
     before, after = run["before"], run["after"]

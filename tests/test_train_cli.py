@@ -33,7 +33,6 @@ from helpers import (
     copy_run,
     exits_with,
     listing,
-    padded_batch,
     tiny_model,
     train_cli,
     write_parallel,
@@ -209,28 +208,36 @@ def test_the_wheel_installs_vaswani_hf_with_its_data_and_vaswani_training(tmp_pa
 
 
 def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
-    """§5.4: the recipe trains on the label-smoothed loss (config.label_smoothing, 0.1); eval_loss is the model's
-    plain cross-entropy, the number transformers users read as log-perplexity."""
+    """§5.4: the recipe trains on the label-smoothed loss (--label_smoothing_factor, 0.1 by default); eval_loss, also
+    during training, is the model's plain cross-entropy, the number transformers users read as log-perplexity."""
+    from datasets import Dataset
     from transformers import Seq2SeqTrainingArguments
 
-    from vaswani_training.train import PaperTrainer
+    from vaswani_hf.modeling_vaswani import cross_entropy_loss
+    from vaswani_training.train import TRAINER_DEFAULTS, PaperTrainer
 
+    assert TRAINER_DEFAULTS["label_smoothing_factor"] == 0.1
     model = tiny_model(dropout=0.0)
-    ids, mask = padded_batch(length=9)
-    labels, _ = padded_batch(seed=2, length=7)
-    batch = dict(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(labels.eq(0), -100))
-    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    trainer = PaperTrainer(model=model, args=args, max_tokens=64, d_model=32, warmup=10, lr_factor=1.0)
+    generator = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(4, 99, (3, 9), generator=generator), torch.randint(4, 99, (3, 7), generator=generator)
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
     with torch.no_grad():
-        plain = model(**batch).loss
-        smoothed = model(**batch, label_smoothing=0.1).loss
-        model.train()
-        training_loss = trainer.compute_loss(model, batch)
-        model.eval()
-        eval_loss = trainer.compute_loss(model, batch)
-    assert abs(smoothed.item() - plain.item()) > 1e-3
-    torch.testing.assert_close(training_loss, smoothed)
-    torch.testing.assert_close(eval_loss, plain)
+        logits = model(**batch).logits
+    smoothed, plain_before = (cross_entropy_loss(logits, labels, label_smoothing=eps).item() for eps in (0.1, 0.0))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * 9] * 3, "labels": labels.tolist()})
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, logging_steps=1,
+                                    eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=3,
+                                    save_strategy="no", label_smoothing_factor=0.1)
+    stack = lambda rows: {key: torch.tensor([row[key] for row in rows]) for key in rows[0]}  # noqa: E731
+    trainer = PaperTrainer(model=model, args=args, train_dataset=data, eval_dataset=data, max_tokens=64, d_model=32,
+                           warmup=10, lr_factor=1.0, data_collator=stack)
+    trainer.train()
+    logged = {key: entry[key] for entry in trainer.state.log_history for key in ("loss", "eval_loss") if key in entry}
+    with torch.no_grad():
+        plain_after = model.eval()(**batch).loss.item()
+    assert logged["loss"] == pytest.approx(smoothed, rel=1e-5)  # the step's loss, before its update
+    assert logged["eval_loss"] == pytest.approx(plain_after, rel=1e-5)  # evaluated after the update, unsmoothed
+    assert abs(smoothed - plain_before) > 1e-3 and abs(plain_after - plain_before) > 1e-4  # the step changed it
 
 
 def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
