@@ -1,10 +1,11 @@
-"""Time a CPU training step with the model's CPU dropout against torch's `F.dropout`, alternating in one process.
+"""Time a CPU training step with the training step's CPU dropout against torch's `F.dropout`, alternating in one
+process.
 
-The model's CPU path (`CPUDropout`, `CPUDropoutAdd` in vaswani_hf/kernels_vaswani.py) draws one 64-bit random number
-per four elements and does the residual add in the same passes over memory; the baseline is what the model runs on a
-GPU or under `torch.compile`: `F.dropout` (torch's `bernoulli_`) and a separate `residual + x`. Both run the same
-model, batch and optimizer; the order alternates every repetition and the script prints the median step of each and
-their ratio (> 1: the CPU path is faster), the median of the per-repetition ratios beside it.
+The training commands' CPU dropout (`CPUDropout` in vaswani_hf/kernels_vaswani.py, swapped in for `nn.Dropout` by
+`training_fast_paths`) draws one 64-bit random number per four elements and keeps a 1-byte mask; the baseline is what
+runs on a GPU or under `torch.compile`: `F.dropout` (torch's `bernoulli_`). Both run the same model, batch and
+optimizer with every other fast path of the step; the order alternates every repetition and the script prints the
+median step of each and their ratio (> 1: the CPU path is faster), the median of the per-repetition ratios beside it.
 
     python benchmarks/bench_dropout.py                      # paper base dims, the benchmark's 64x32 random batch
     python benchmarks/bench_dropout.py --d-model 256 --layers 3 --heads 4 --d-ff 1024   # the cpu preset's dims
@@ -27,25 +28,15 @@ for path in (ROOT, ROOT / "benchmarks"):
 
 import benchmark  # noqa: E402
 
-from vaswani_hf import modeling_vaswani  # noqa: E402
+from vaswani_hf import kernels_vaswani  # noqa: E402
 
-SHIPPED = {"apply_dropout": modeling_vaswani.apply_dropout, "residual_dropout": modeling_vaswani.residual_dropout}
-
-
-def torch_apply_dropout(x, p, training):
-    return F.dropout(x, p=p, training=True) if training and p > 0.0 else x
-
-
-def torch_residual_dropout(residual, x, p, training):
-    return residual + torch_apply_dropout(x, p, training)
-
-
-BASELINE = {"apply_dropout": torch_apply_dropout, "residual_dropout": torch_residual_dropout}
+SHIPPED = {"cpu_dropout": kernels_vaswani.cpu_dropout}
+BASELINE = {"cpu_dropout": lambda x, p, training=True: F.dropout(x, p=p, training=training)}
 
 
 def use(functions: dict) -> None:
     for name, function in functions.items():
-        setattr(modeling_vaswani, name, function)
+        setattr(kernels_vaswani, name, function)
 
 
 def main(argv=None) -> dict:
@@ -75,8 +66,7 @@ def main(argv=None) -> dict:
     print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
           f"d_model {args.d_model}, {args.layers}+{args.layers} layers, "
           f"batch {tuple(batch['labels'].shape)}")
-    print(f"step, F.dropout + add (torch): {medians['torch']:.3f} s   "
-          f"CPUDropout/CPUDropoutAdd: {medians['cpu']:.3f} s   "
+    print(f"step, F.dropout (torch): {medians['torch']:.3f} s   CPUDropout: {medians['cpu']:.3f} s   "
           f"torch/cpu {medians['torch'] / medians['cpu']:.3f} (paired {paired:.3f})")
     return {"seconds": times, "ratio": medians["torch"] / medians["cpu"], "ratio_paired": paired}
 

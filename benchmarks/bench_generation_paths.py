@@ -1,7 +1,7 @@
 """Beam search with and without leaving finished sentences out of the decoder's batch, against MarianMTModel.
 
 `VaswaniForConditionalGeneration.skip_finished_sentences` (True; the default None: on a CPU only) lets decoding drop the
-sentences it has finished (`kernels_vaswani.FinishedSentenceSkipping`); its bookkeeping reads, once a step, which
+sentences it has finished (`generation_vaswani.FinishedSentenceSkipping`); its bookkeeping reads, once a step, which
 sentences are open, which makes the host wait for the device on a GPU. This script times `generate()` (beam 4,
 length penalty 0.6) of one model with the switch on and off, and MarianMTModel of the same size, alternating the
 three every repetition, at each `--batches` size, on benchmark.py's random inputs and random weights: with

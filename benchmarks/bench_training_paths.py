@@ -1,13 +1,14 @@
-"""Time a CPU fp32 training step with and without the attention and loss paths the model takes there, alternating in
-one process.
+"""Time a CPU fp32 training step with and without the attention and loss paths the training commands take there,
+alternating in one process.
 
-The model's fp32 CPU training step runs attention in torch's SDPA (its CPU flash kernel reads the heads as strided
-views) and the output projection with the label-smoothed loss as one function (`cpu_projected_cross_entropy` in
-vaswani_hf/kernels_vaswani.py). The baseline is the other path of each: attention as plain matmuls and a softmax
-(`cpu_attention_forward`, what the model runs in bf16 or with attention dropout) and `F.cross_entropy` on the logits
-(what `skip_logits=False` runs). Four variants (baseline, each change alone, both: the shipped default) run the same
-model, batch and optimizer; the order rotates every repetition, and the script prints each variant's median step and
-its ratio to the baseline (> 1: faster than the baseline), with the median of the per-repetition ratios beside it.
+The training step of the commands (`training_fast_paths` in vaswani_hf/fast_paths_vaswani.py) runs attention in
+torch's SDPA (its CPU flash kernel reads the heads as strided views; "vaswani_sdpa" in vaswani_hf/kernels_vaswani.py)
+and the output projection with the label-smoothed loss as one function (`cpu_projected_cross_entropy`). The baseline
+is the other path of each: attention as plain matmuls and a softmax (`cpu_attention_forward`, what the step runs in
+bf16 or with attention dropout) and `F.cross_entropy` on the logits (what the step runs where the fused loss declines).
+Four variants (baseline, each change alone, both: the shipped default) run the same model, batch and optimizer; the
+order rotates every repetition, and the script prints each variant's median step and its ratio to the baseline (> 1:
+faster than the baseline), with the median of the per-repetition ratios beside it.
 
     python benchmarks/bench_training_paths.py                # paper base dims, the benchmark's 64x32 random batch
     python benchmarks/bench_training_paths.py --d-model 256 --layers 3 --heads 4 --d-ff 1024   # the cpu preset's dims
@@ -28,29 +29,25 @@ for path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import benchmark  # noqa: E402
-from transformers import AttentionInterface  # noqa: E402
 
-from vaswani_hf.kernels_vaswani import cpu_attention_forward  # noqa: E402
+from vaswani_hf import fast_paths_vaswani, kernels_vaswani  # noqa: E402
 
-PLAIN_ATTENTION = "vaswani_cpu_plain"  # the plain-matmul kernel under a name of its own, so a model can be set to it
-AttentionInterface.register(PLAIN_ATTENTION, cpu_attention_forward)
+SHIPPED = {"attention": kernels_vaswani.sdpa_attention_forward, "loss": fast_paths_vaswani.cpu_projected_cross_entropy}
+BASELINE = {"attention": kernels_vaswani.cpu_attention_forward, "loss": lambda *args: None}  # None: not fused
 
-# variant: (attention implementation, skip_logits); the baseline first, the shipped default last
+# variant: (attention kernel, loss); the baseline first, the shipped default last
 VARIANTS = {
-    "baseline (plain attention, F.cross_entropy)": (PLAIN_ATTENTION, False),
-    "SDPA only": ("sdpa", False),
-    "fused loss only": (PLAIN_ATTENTION, None),
-    "SDPA + fused loss (default)": ("sdpa", None),
+    "baseline (plain attention, F.cross_entropy)": ("plain", "unfused"),
+    "SDPA only": ("sdpa", "unfused"),
+    "fused loss only": ("plain", "fused"),
+    "SDPA + fused loss (default)": ("sdpa", "fused"),
 }
 
 
-def training_step(model, optimizer, batch, args, skip_logits) -> float:
-    """`benchmark.training_step` for our model, with `skip_logits` passed."""
-    loss = model(**batch, label_smoothing=args.label_smoothing, skip_logits=skip_logits).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach())
+def use(attention: str, loss: str) -> None:
+    """The variant's kernels in the places the training step looks them up."""
+    kernels_vaswani.sdpa_attention_forward = SHIPPED["attention"] if attention == "sdpa" else BASELINE["attention"]
+    fast_paths_vaswani.cpu_projected_cross_entropy = SHIPPED["loss"] if loss == "fused" else BASELINE["loss"]
 
 
 def main(argv=None) -> dict:
@@ -72,9 +69,9 @@ def main(argv=None) -> dict:
     times = {name: [] for name in names}
 
     def run(name):
-        model.config._attn_implementation, skip_logits = VARIANTS[name]
+        use(*VARIANTS[name])
         start = time.perf_counter()
-        training_step(model, optimizer, batch, args, skip_logits)
+        benchmark.training_step("ours", model, optimizer, batch, args)
         return time.perf_counter() - start
 
     try:
@@ -85,7 +82,7 @@ def main(argv=None) -> dict:
             for name in names[shift:] + names[:shift]:
                 times[name].append(run(name))
     finally:
-        model.config._attn_implementation = "sdpa"
+        use("sdpa", "fused")
     baseline = names[0]
     print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
           f"d_model {args.d_model}, {args.layers}+{args.layers} layers, batch {tuple(batch['labels'].shape)}, "

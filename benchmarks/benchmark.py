@@ -13,11 +13,11 @@ Measured:
 
 * training: tokens/s of a whole step (forward, backward, fused Adam step, zero_grad) in train mode with dropout. The
   loss is the same on both: by default plain cross-entropy (`--label-smoothing 0`), which is what Marian's forward
-  computes from `labels` and what ours computes by default; ours gets `label_smoothing=`; with
-  `--label-smoothing 0.1` Marian is called without labels and its loss is the same
-  `F.cross_entropy(..., label_smoothing=0.1)` computed on its logits, summed and divided by the number of labelled
-  tokens, as ours does internally. Tokens are the labelled (non-padding) target tokens of the batch, as fairseq's
-  `wps` counts them.
+  computes from `labels`; ours runs its step as the training commands do, inside `training_fast_paths(model,
+  label_smoothing)` (vaswani_hf/fast_paths_vaswani.py); with `--label-smoothing 0.1` Marian is called without labels
+  and its loss is the same `F.cross_entropy(..., label_smoothing=0.1)` computed on its logits, summed and divided by
+  the number of labelled tokens, as ours does. Tokens are the labelled (non-padding) target tokens of the batch, as
+  fairseq's `wps` counts them.
 * peak training memory: CPU: in a fresh Python process per model and batch size, the model and its Adam optimizer
   are built, then the peak resident set size (VmHWM) is reset to the current RSS by writing 5 to
   /proc/self/clear_refs (Linux >= 4.0), two training steps run (the first creates Adam's state), and the peak is
@@ -35,7 +35,7 @@ Measured:
   (`training_flops_real_tokens`, formula in its docstring) over the GEMM peak measured in the same run (the best
   median FLOP/s of a few large fp32 matmuls at the benchmark's threads, `measure_gemm_peak`), for ours and Marian,
   at the paper's base dims and at the `cpu` preset's dims (`--no-mfu` skips it). On a CPU our training step runs
-  its position-wise layers, output projection and loss on the real tokens only (`RealTokens` in
+  its position-wise layers, output projection and loss on the unpadded tokens only (`unpad_batch` in
   vaswani_hf/kernels_vaswani.py); MarianMTModel computes every padded position. On a CPU it also says where each
   model's step goes: one step timed operator by operator (`time_products`) splits it into the matrix products, the
   attention kernels and the rest, and the FLOPs over the first two give the MFU the step would reach, and the
@@ -82,6 +82,7 @@ from transformers import GenerationConfig, MarianConfig, MarianMTModel  # noqa: 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from vaswani_hf.configuration_vaswani import VaswaniConfig  # noqa: E402
+from vaswani_hf.fast_paths_vaswani import training_fast_paths  # noqa: E402
 from vaswani_hf.kernels_vaswani import cpu_training_matmul, has_onednn_linear  # noqa: E402
 from vaswani_hf.modeling_vaswani import VaswaniForConditionalGeneration  # noqa: E402
 
@@ -120,8 +121,8 @@ def build_model(name: str, args) -> torch.nn.Module:
         config = VaswaniConfig(
             vocab_size=args.vocab_size, d_model=args.d_model, encoder_layers=args.layers, decoder_layers=args.layers,
             num_heads=args.heads, d_ff=args.d_ff, activation_function="relu", scale_embedding=True,
-            share_encoder_decoder_embeddings=True, tie_word_embeddings=True, label_smoothing=args.label_smoothing,
-            pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, decoder_start_token_id=BOS, **common)
+            share_encoder_decoder_embeddings=True, tie_word_embeddings=True, pad_token_id=PAD, bos_token_id=BOS,
+            eos_token_id=EOS, decoder_start_token_id=BOS, **common)
         model = VaswaniForConditionalGeneration(config)
     else:
         config = MarianConfig(
@@ -195,19 +196,26 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def training_step(name: str, model, optimizer, batch, args) -> float:
-    """One forward/backward/Adam step with the same loss on both models; returns the loss."""
+    """One forward/backward/Adam step with the same loss on both models, ours as the training commands take it
+    (`training_fast_paths`, installed for the step); returns the loss."""
+    if name == "ours":
+        with training_fast_paths(getattr(model, "_orig_mod", model), args.label_smoothing):
+            with autocast(args):
+                loss = model(**batch).loss
+            loss.backward()  # inside: the backward pass of the step's own kernels
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
     with autocast(args):
-        if name == "marian" and args.label_smoothing > 0:
+        if args.label_smoothing > 0:
             # Marian's own loss is plain CE; compute the same label-smoothed sum / count that ours computes.
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         decoder_input_ids=model.prepare_decoder_input_ids_from_labels(batch["labels"]))
             labels = batch["labels"]
             loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
                                    reduction="sum", label_smoothing=args.label_smoothing) / labels.ne(-100).sum()
-        elif name == "marian":
-            loss = model(**batch).loss
         else:
-            loss = model(**batch, label_smoothing=args.label_smoothing).loss
+            loss = model(**batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -90,18 +90,13 @@ def test_same_batch_for_both_models_with_padding_and_labels():
     assert first["input_ids"].masked_select(mask.eq(0)).eq(benchmark.PAD).all()
 
 
-def test_training_flops_count_every_matmul_exactly(monkeypatch):
+def test_training_flops_count_every_matmul_exactly():
     """The CUDA MFU numerator: `training_flops` equals torch's FLOP counter on a forward + backward of our model on
-    the padded batch (eager attention, whose matmuls the counter sees one by one; dropout off). The padded layout is
-    what runs on a GPU; on a CPU training skips the padding (`RealTokens`), turned off here, and may multiply in
-    oneDNN, whose operator the counter does not know: torch's BLAS here."""
+    the padded batch (eager attention, whose matmuls the counter sees one by one; dropout off): the plain model's
+    step, what runs on a GPU. On a CPU the training commands' step skips the padding and may multiply in oneDNN,
+    whose operator the counter does not know."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vaswani_hf import kernels_vaswani
-    from vaswani_hf.kernels_vaswani import RealTokens
-
-    monkeypatch.setattr(RealTokens, "enabled", False)
-    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "blas")
     benchmark = load_benchmark()
     args = benchmark.parse_args(["--quick", "--attn", "eager", "--dropout", "0"])
     model = benchmark.build_model("ours", args).train()
@@ -112,15 +107,12 @@ def test_training_flops_count_every_matmul_exactly(monkeypatch):
                                                                  batch["labels"].shape)
 
 
-def test_real_token_flops_equal_the_counter_on_unpadded_sentences(monkeypatch):
+def test_real_token_flops_equal_the_counter_on_unpadded_sentences():
     """The CPU MFU numerator counts real tokens only: on a batch of one sentence per row length (no padding) it is
-    torch's FLOP count of forward + backward (torch's BLAS products: the counter does not know oneDNN's operator);
-    adding padding to the same sentences does not change it."""
+    torch's FLOP count of the plain model's forward + backward; adding padding to the same sentences does not change
+    it."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vaswani_hf import kernels_vaswani
-
-    monkeypatch.setattr(kernels_vaswani, "cpu_training_matmul", lambda: "blas")
     benchmark = load_benchmark()
     args = benchmark.parse_args(["--quick", "--attn", "eager", "--dropout", "0"])
     model = benchmark.build_model("ours", args).train()
@@ -187,44 +179,44 @@ def test_time_products_sees_every_product_and_attention_kernel_of_a_step():
     assert 0 < measured["products"] + measured["attention"] < measured["step"]
 
 
-def test_dropout_benchmark_times_both_dropouts_and_restores_the_model_code(monkeypatch):
-    from vaswani_hf import kernels_vaswani, modeling_vaswani
+def test_dropout_benchmark_times_both_dropouts_and_restores_the_kernel(monkeypatch):
+    from vaswani_hf import kernels_vaswani
 
     spec = importlib.util.spec_from_file_location("bench_dropout", ROOT / "benchmarks" / "bench_dropout.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    calls = {"fused": 0, "torch": 0}
-    fused, dropout = kernels_vaswani.CPUDropoutAdd.apply, torch.nn.functional.dropout
-    monkeypatch.setattr(kernels_vaswani.CPUDropoutAdd, "apply",
-                        lambda *a: calls.__setitem__("fused", calls["fused"] + 1) or fused(*a))
+    calls = {"cpu": 0, "torch": 0}
+    cheap, dropout = kernels_vaswani._CPUDropoutFunction.apply, torch.nn.functional.dropout
+    monkeypatch.setattr(kernels_vaswani._CPUDropoutFunction, "apply",
+                        lambda *a: calls.__setitem__("cpu", calls["cpu"] + 1) or cheap(*a))
     monkeypatch.setattr(torch.nn.functional, "dropout",
                         lambda *a, **k: calls.__setitem__("torch", calls["torch"] + 1) or dropout(*a, **k))
     result = bench.main(["--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32", "--vocab-size", "50",
                          "--batch-tokens", "64", "--src-len", "8", "--tgt-len", "8", "--train-reps", "1"])
     assert len(result["seconds"]["torch"]) == len(result["seconds"]["cpu"]) == 2
     assert result["ratio"] > 0 and result["ratio_paired"] > 0
-    # one untimed and two timed steps each; a step has 2 + 3 residual dropouts (1 encoder, 1 decoder layer)
-    assert calls["fused"] == 3 * 5
-    assert calls["torch"] == 3 * (2 + 5)  # the baseline: F.dropout for the 2 embedding and 5 residual dropouts
-    assert modeling_vaswani.residual_dropout is bench.SHIPPED["residual_dropout"]
-    assert modeling_vaswani.apply_dropout is bench.SHIPPED["apply_dropout"]
+    # three steps of each variant (one untimed); a step has 2 embedding and 2 + 3 sublayer dropouts of p = 0.1 (1
+    # encoder, 1 decoder layer) and 2 activation dropouts of p = 0, which F.dropout takes in both variants
+    assert calls["cpu"] == 3 * 7  # the cheaper mask
+    assert calls["torch"] == 3 * 7 + 2 * 3 * 2
+    assert kernels_vaswani.cpu_dropout is bench.SHIPPED["cpu_dropout"]
 
 
 def test_training_paths_benchmark_times_the_four_variants(monkeypatch):
-    from vaswani_hf import kernels_vaswani, modeling_vaswani
+    from vaswani_hf import fast_paths_vaswani, kernels_vaswani
 
     spec = importlib.util.spec_from_file_location("bench_training_paths",
                                                   ROOT / "benchmarks" / "bench_training_paths.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     calls = {"plain": 0, "fused": 0}
-    plain, fused = kernels_vaswani.cpu_attention_forward, kernels_vaswani.cpu_projected_cross_entropy
-    monkeypatch.setattr(modeling_vaswani, "cpu_projected_cross_entropy",
-                        lambda *a: calls.__setitem__("fused", calls["fused"] + 1) or fused(*a))
-    from transformers import AttentionInterface
-    # transformers' registry is global: the recording kernel is put back to the benchmark's when the test ends
-    monkeypatch.setitem(AttentionInterface._global_mapping, bench.PLAIN_ATTENTION,
+    plain, fused = bench.BASELINE["attention"], bench.SHIPPED["loss"]
+    # the kernels the benchmark swaps, put back by monkeypatch when the test ends whatever happens
+    monkeypatch.setattr(kernels_vaswani, "sdpa_attention_forward", bench.SHIPPED["attention"])
+    monkeypatch.setattr(fast_paths_vaswani, "cpu_projected_cross_entropy", fused)
+    monkeypatch.setitem(bench.BASELINE, "attention",
                         lambda *a, **k: calls.__setitem__("plain", calls["plain"] + 1) or plain(*a, **k))
+    monkeypatch.setitem(bench.SHIPPED, "loss", lambda *a: calls.__setitem__("fused", calls["fused"] + 1) or fused(*a))
     result = bench.main(["--d-model", "16", "--layers", "1", "--heads", "2", "--d-ff", "32", "--vocab-size", "50",
                          "--batch-tokens", "64", "--src-len", "8", "--tgt-len", "8", "--train-reps", "1",
                          "--malloc", "default"])
@@ -234,3 +226,6 @@ def test_training_paths_benchmark_times_the_four_variants(monkeypatch):
     # 3 steps (1 untimed, 2 timed) of each variant; a step has 3 attentions (1 encoder, 1 decoder layer)
     assert calls["plain"] == 2 * 3 * 3  # the baseline and "fused loss only"
     assert calls["fused"] == 2 * 3  # "fused loss only" and the default
+    # the shipped kernels are back where the training step looks them up
+    assert kernels_vaswani.sdpa_attention_forward is bench.SHIPPED["attention"]
+    assert fast_paths_vaswani.cpu_projected_cross_entropy is bench.SHIPPED["loss"]
