@@ -47,8 +47,8 @@ def bound_onednn_caches(capacity: int = 64) -> bool:
     torch caches a oneDNN computation, with its buffers, for every input shape it meets: ideep's cache
     (`LRU_CACHE_CAPACITY`) and oneDNN's primitive cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`). A CPU training step of
     this project multiplies its linears in oneDNN (bf16 autocast, or fp32 where `cpu_training_matmul()` chose it),
-    and with token-budget batches and only the real tokens computed (`RealTokens`) nearly every step brings new row
-    counts, so both caches would fill to 1,024 entries of a few MiB each and more than double the run's peak memory.
+    and with token-budget batches and only the unpadded tokens computed (`unpad_batch`) nearly every step brings new
+    row counts, so both caches would fill to 1,024 entries of a few MiB each and more than double the run's peak memory.
     A step's layers share their shapes, so a step's own computations still fit in 64. Skipped when the user set any
     of those variables (the user's choice wins).
 
