@@ -472,3 +472,48 @@ def test_weights_with_nan_bytes_are_refused(model_folder):
     weights.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=re.escape(f"{model_folder}: weight ") + r".* holds NaN or infinite values"):
         VaswaniForConditionalGeneration.from_pretrained(model_folder)
+
+
+# Folders written by earlier releases ------------------------------------------------------------------------------
+
+EARLIER = ROOT / "tests" / "data" / "checkpoint_3323448"
+
+
+def seeded_weight(name: str, shape: list[int], index: int) -> torch.Tensor:
+    """The value of weight `index` (in sorted order) of the earlier release's folder: drawn from a fixed seed, with
+    LayerNorm gains near 1, so that its translations vary (what the release wrote of it is the names and shapes)."""
+    values = torch.randn(*shape, generator=torch.Generator().manual_seed(1000 + index))
+    if "layer_norm" in name:
+        return (1.0 if name.endswith("weight") else 0.0) + 0.1 * values
+    return values * (shape[-1] ** -0.5 if len(shape) == 2 else 0.1)
+
+
+def test_a_folder_written_by_an_earlier_release_loads_and_translates_as_that_release_did(tmp_path):
+    """A model folder as release 3323448 wrote it: its config.json (with that release's `label_smoothing` field) and
+    generation_config.json verbatim, the tensors its model.safetensors held (names and shapes; the values drawn from
+    fixed seeds). It loads, and greedy and beam search give the tokens that release gave, its logits its sums."""
+    expected = json.loads((EARLIER / "expected.json").read_text())
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(EARLIER / name, tmp_path / name)
+    weights = {name: seeded_weight(name, shape, index)
+               for index, (name, shape) in enumerate(sorted(expected["weights"].items()))}
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = VaswaniForConditionalGeneration.from_pretrained(tmp_path).eval()
+    assert not hasattr(model.config, "label_smoothing")
+    ids = torch.tensor(expected["inputs"]["input_ids"])
+    mask = ids.ne(0).long()
+    with torch.no_grad():
+        beam = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10)
+        greedy = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=1)
+        logits = model(input_ids=ids, attention_mask=mask, decoder_input_ids=beam[:, :-1]).logits.double()
+    assert beam.tolist() == expected["beam_4"] and greedy.tolist() == expected["greedy"]
+    assert beam.tolist() != greedy.tolist()  # beam search made a choice of its own
+    assert float(logits.sum()) == pytest.approx(expected["logits_sum"], rel=1e-5)
+    assert float(logits.abs().sum()) == pytest.approx(expected["logits_abs_sum"], rel=1e-5)
+    # control: one weight off by its own scale changes the logits far beyond the tolerance
+    weights["model.encoder.layers.0.fc1.weight"] = weights["model.encoder.layers.0.fc1.weight"] * 2
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    changed = VaswaniForConditionalGeneration.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        other = changed(input_ids=ids, attention_mask=mask, decoder_input_ids=beam[:, :-1]).logits.double()
+    assert float(other.abs().sum()) != pytest.approx(expected["logits_abs_sum"], rel=1e-3)

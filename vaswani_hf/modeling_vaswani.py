@@ -11,9 +11,9 @@ The file reads top to bottom like the paper, and runs as it reads:
     §3.4    shared embeddings and softmax ..... VaswaniModel, VaswaniForConditionalGeneration
     §5.4    label-smoothed cross-entropy ...... cross_entropy_loss
 
-Speed enters from outside and computes what this file computes: `kernels_vaswani.py` holds the CPU fast paths (an
-attention function registered with transformers' `AttentionInterface`, linear and dropout modules, a fused output
-projection and loss) and `fast_paths_vaswani.py` swaps them in for a training run or a `generate()` call;
+Speed enters from outside and computes what this file computes: `fast_paths_vaswani.py` swaps the CPU fast paths in
+for a training run or a `generate()` call (an attention function registered with transformers' `AttentionInterface`,
+linear and dropout modules, a fused output projection and loss; what they compute is beside it), and
 `generation_vaswani.py` decodes (beam search, the KV cache, finished sentences left out). A model you build or load
 is made of plain `nn.Linear`, `nn.Dropout` and `nn.LayerNorm` modules. The `*_vaswani.py` files travel to the Hub
 together for `trust_remote_code=True` and import only torch, transformers, safetensors and each other.
@@ -189,7 +189,7 @@ class VaswaniAttention(nn.Module):
     cache. The attention itself is the function transformers' attention interface holds for
     `config._attn_implementation`: "sdpa" (the default, torch's `scaled_dot_product_attention`), "eager"
     (`eager_attention_forward` above, which also runs whenever `output_attentions=True`), or any function registered
-    with `AttentionInterface` that takes additive `(B, 1, T_q, T_k)` masks (kernels_vaswani.py registers one).
+    with `AttentionInterface` that takes additive `(B, 1, T_q, T_k)` masks (the CPU fast paths register one).
     """
 
     def __init__(self, config: VaswaniConfig, is_cross_attention: bool = False, is_causal: bool = False,
