@@ -234,10 +234,11 @@ def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
                 pass
             assert model.lm_head.packed_weight is not None
     assert module_types(model) == PLAIN_TYPES and model.config._attn_implementation == "sdpa"  # undone on exit
-    assert "packed_weight" not in vars(model.lm_head)
-    # oneDNN ran every linear map once: 2 encoder layers x 6 (q, k, v, out, fc1, fc2), 2 decoder layers x 10 (and
-    # encoder-decoder attention's q, k, v, out), and lm_head; and it gave what nn.Linear gives
-    assert len(calls) == 2 * 6 + 2 * 10 + 1
+    assert not any({"packed_weight", "stacked"} & set(vars(m)) for m in model.modules())
+    # oneDNN ran every linear map once, the input projections of an attention stacked into one product: 2 encoder
+    # layers x 4 (q|k|v, out, fc1, fc2), 2 decoder layers x 7 (q|k|v, out, cross-attention q, k|v and out, fc1, fc2),
+    # and lm_head; and it gave what nn.Linear gives
+    assert len(calls) == 2 * 4 + 2 * 7 + 1
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
     # control: linears multiplied in bf16 move the logits by 1.4e-2, a thousand times the tolerance
     with torch.no_grad():
@@ -264,8 +265,12 @@ def test_packed_linears_leave_training_bf16_and_opt_out_alone():
         assert type(model.lm_head) is nn.Linear and model.config._attn_implementation == "vaswani_sdpa"
     hooked = tiny_model()
     hooked.lm_head.register_forward_hook(lambda module, args, out: None)  # as an adapter or offloading would
+    attention = hooked.model.encoder.layers[0].self_attn
+    attention.v_proj.register_forward_hook(lambda module, args, out: None)
     with inference_fast_paths(hooked):
         assert type(hooked.lm_head) is nn.Linear and type(hooked.model.encoder.layers[0].fc1) is OneDNNLinear
+        assert type(attention.v_proj) is nn.Linear and attention.q_proj.stacked is None  # q and k unstacked too
+        assert attention.q_proj.packed_weight is not None and attention.k_proj.packed_weight is not None
 
 
 @needs_onednn
@@ -314,7 +319,7 @@ def test_generate_packs_once_while_the_weights_are_unchanged(monkeypatch):
     ids, mask = padded_batch(length=9)
     first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
     per_packing = len(packs)
-    assert per_packing == 2 * 6 + 2 * 10 + 1  # every linear map
+    assert per_packing == 2 * 4 + 2 * 7 + 1  # every linear map, an attention's input projections stacked in one
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6), first)
     assert len(packs) == per_packing  # the second call reused the packed weights
     assert module_types(model) == PLAIN_TYPES  # outside generate() nothing is swapped
@@ -322,7 +327,7 @@ def test_generate_packs_once_while_the_weights_are_unchanged(monkeypatch):
         model.model.decoder.layers[1].self_attn.v_proj.weight.mul_(2.0)
     changed = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True,
                              return_dict_in_generate=True)
-    assert len(packs) == per_packing + 1  # the changed weight alone packed again
+    assert len(packs) == per_packing + 1  # the stack of the changed weight alone packed again
     reference = tiny_model()
     reference.use_cpu_packed_linears = False
     with torch.no_grad():

@@ -91,48 +91,82 @@ def _attention(model: nn.Module):
     return undo
 
 
-def _packed_weight(module: nn.Linear, keep: bool) -> torch.Tensor:
-    """The module's weight in oneDNN's layout; with `keep`, kept and packed again only when the weight changed: its
-    identity, storage, version counter and a sum over a strided sample of its values (torch's fused Adam writes
-    parameters without advancing the version counter)."""
-    weight = module.weight.detach()
+def _packed(module: nn.Linear, layers: list[nn.Linear], keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of `layers` stacked (one layer: its own) in oneDNN's layout, and their biases stacked; with `keep`,
+    kept under `module` and packed again only when a weight changed: its identity, storage, version counter and a sum
+    over a strided sample of its values (torch's fused Adam writes parameters without advancing the version counter)."""
+    def pack():
+        weight = torch.cat([layer.weight.detach() for layer in layers])
+        biases = [layer.bias for layer in layers]
+        bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 64), bias if len(layers) > 1 else module.bias
+
     if not keep:
         _PACKED.pop(module, None)
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-    state = (id(module.weight), weight.data_ptr(), weight._version, tuple(weight.shape),
-             float(weight.reshape(-1)[::97].double().sum()))
+        return pack()
+    def fingerprint(tensor: torch.Tensor | None) -> tuple | None:
+        if tensor is None:
+            return None
+        sample = float(tensor.detach().reshape(-1)[::97].sum(dtype=torch.float64))  # ~1 % of it, every row touched
+        return id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape), sample
+
+    state = tuple((fingerprint(layer.weight), fingerprint(layer.bias)) for layer in layers)
     kept = _PACKED.get(module)
     if kept is None or kept[0] != state:
-        kept = _PACKED[module] = (state, torch.ops.mkldnn._reorder_linear_weight(weight, 64))
+        kept = _PACKED[module] = (state, pack())
     return kept[1]
+
+
+def _stacks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, list[nn.Linear]]:
+    """The input projections one product can compute together: W^Q, W^K, W^V of each self-attention, W^K and W^V of
+    each encoder-decoder attention (§3.2.2), keyed by the first, where all are among `linears`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    ours = set(linears)
+    stacks = {}
+    for module in base.modules():
+        if hasattr(module, "is_cross_attention") and hasattr(module, "q_proj"):
+            group = [module.k_proj, module.v_proj] if module.is_cross_attention else \
+                [module.q_proj, module.k_proj, module.v_proj]
+            if all(layer in ours for layer in group):
+                stacks[group[0]] = group
+    return stacks
 
 
 @contextlib.contextmanager
 def inference_fast_paths(model: nn.Module, packed_linears: bool = True, keep_packed: bool = True):
     """`generate()`'s fast paths for one call: attention "sdpa" runs as "vaswani_sdpa", and, with `packed_linears`,
     for an fp32 model on a CPU without autocast, the model's linears multiply with oneDNN-packed weights
-    (`OneDNNLinear`). Packing copies each linear weight once (as much memory again); the copies are kept for the next
-    call while the weights are unchanged (`keep_packed=False`: packed at every call, not kept). Undone on exit."""
+    (`OneDNNLinear`), the input projections that read one input stacked into one product. Packing copies each linear
+    weight once (as much memory again); the copies are kept for the next call while the weights are unchanged
+    (`keep_packed=False`: packed at every call, not kept). Undone on exit."""
     def install():
         undo_attention = _attention(model)
         plain, swapped = own_modules(model, nn.Linear), own_modules(model, OneDNNLinear)  # the latter: in training
         linears = plain + swapped
         wanted = (packed_linears and has_onednn_linear() and linears and not torch.is_autocast_enabled("cpu")
                   and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears))
+        stacks = _stacks(model, linears) if wanted else {}
+        following = {layer for group in stacks.values() for layer in group[1:]}  # computed by their stack
+        alone = [module for module in linears if module not in stacks and module not in following]
         try:
-            packed = [_packed_weight(module, keep_packed) for module in linears] if wanted else []
+            packed = {module: _packed(module, [module], keep_packed) for module in alone} if wanted else {}
+            packed.update({first: _packed(first, group, keep_packed) for first, group in stacks.items()})
         except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
             logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
-            packed = []
+            packed, stacks = {}, {}
         if packed:
             _swap(plain, OneDNNLinear)
-            for module, weight in zip(linears, packed, strict=True):
-                module.packed_weight = weight
+            for module, (weight, bias) in packed.items():
+                if module in stacks:
+                    module.stacked = (weight, bias, stacks[module][1:])
+                else:
+                    module.packed_weight = weight
 
         def undo():
             undo_attention()
-            for module in linears if packed else []:
-                del module.packed_weight
+            for module in packed:
+                module.__dict__.pop("packed_weight", None)
+                module.__dict__.pop("stacked", None)
             _swap(plain if packed else [], nn.Linear)
         return undo
 

@@ -21,6 +21,7 @@ for `trust_remote_code=True`.
 
 import functools
 import os
+import threading
 import time
 
 import torch
@@ -362,28 +363,49 @@ def _eager_fp32_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not torch.jit.is_tracing())
 
 
+# Outputs a stacked product computed ahead for the layers that follow it, each taken by that layer's next call on the
+# same input; per thread, so that several threads may decode with one model.
+_AHEAD = threading.local()
+
+
 class OneDNNLinear(nn.Linear):
     """`nn.Linear` whose products run in oneDNN on a CPU, computing x W^T + b to fp32 rounding:
 
-    - with `packed_weight` (the weight in oneDNN's blocked layout, set by `inference_fast_paths`), an fp32 forward
-      without autograd: for the few rows of a decoding step, faster than torch's BLAS call;
+    - in an fp32 forward without autograd (a decoding step), with the weight packed in oneDNN's blocked layout
+      (`packed_weight`, set by `fast_paths_vaswani.inference_fast_paths`): for the few rows of a decoding step, faster
+      than torch's BLAS call. With `stacked` (a packed weight stacking this layer's and the next layers', their bias,
+      those layers) one product computes all of them for the same input, as attention's W^Q, W^K and W^V (or W^K and
+      W^V) read one input: the others' outputs wait for their own calls on that input;
     - in an fp32 training-mode forward with autograd, where `cpu_training_matmul()` chose oneDNN.
 
     Anything else (GPUs, bf16 or autocast, compiled or traced graphs) runs `nn.Linear`'s forward.
     """
 
     packed_weight: torch.Tensor | None = None
+    stacked: tuple | None = None
 
     def uses_packed(self, x: torch.Tensor) -> bool:
-        return self.packed_weight is not None and not torch.is_grad_enabled() and _eager_fp32_cpu(x, self.weight)
+        return ((self.packed_weight is not None or self.stacked is not None) and not torch.is_grad_enabled()
+                and _eager_fp32_cpu(x, self.weight))
 
     def trains_with_onednn(self, x: torch.Tensor) -> bool:
         return (self.training and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
                 and _eager_fp32_cpu(x, self.weight) and cpu_training_matmul() == "onednn")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ahead = getattr(_AHEAD, "outputs", None)
+        waiting = ahead.pop(self, None) if ahead else None
+        if waiting is not None and waiting[0] is x:
+            return waiting[1]
         if self.uses_packed(x):
-            return _onednn_linear(x, self.packed_weight, self.bias)
+            if self.stacked is None:
+                return _onednn_linear(x, self.packed_weight, self.bias)
+            weight, bias, following = self.stacked
+            outputs = _onednn_linear(x, weight, bias).split(self.out_features, dim=-1)
+            if not hasattr(_AHEAD, "outputs"):
+                _AHEAD.outputs = {}
+            _AHEAD.outputs.update({layer: (x, output) for layer, output in zip(following, outputs[1:], strict=True)})
+            return outputs[0]
         if self.trains_with_onednn(x):
             return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
