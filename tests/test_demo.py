@@ -131,7 +131,7 @@ def test_source_highlight_is_the_tokens_cross_attention_scaled_to_one(loaded):
                                        num_hypotheses=1)
     maps = core.hypothesis_attention(model, tokenizer, translation, 0)[-1]
     shaded = core.source_highlight(maps, 3)
-    assert [token for token, _ in shaded] == [t.replace("▁", " ") for t in maps.source_tokens]
+    assert [token for token, _ in shaded] == maps.source_tokens  # "▁" kept: the word boundaries, as in the pictures
     mean = maps.cross[:, 3].mean(0)
     assert [w for _, w in shaded] == pytest.approx((mean / mean.max()).tolist(), abs=1e-4)
     assert max(w for _, w in shaded) == pytest.approx(1.0)
@@ -142,27 +142,26 @@ def test_source_highlight_is_the_tokens_cross_attention_scaled_to_one(loaded):
 # Pictures ------------------------------------------------------------------------------------------------------------
 
 
-def test_draw_heads_puts_every_head_side_by_side_in_viridis(loaded):
+def test_the_pages_pictures_are_the_figures_vaswani_plot_draws(loaded, monkeypatch):
     import numpy as np
-    from matplotlib import colormaps
+
+    from vaswani_hf.pictures import attention
+    from vaswani_hf.pictures.attention import attention_figure
 
     _, model, tokenizer = loaded
     translation = core.translate_nbest(model, tokenizer, GERMAN[0], num_beams=2, length_penalty=0.6,
                                        num_hypotheses=1)
     maps = core.hypothesis_attention(model, tokenizer, translation, 0)[0]
-    heads, rows, cols = maps.cross.shape
-    image = core.draw_heads(maps, "cross", cell=160, gap=6)
-    scale = max(1, 160 // max(rows, cols))
-    assert image.size == (heads * cols * scale + (heads - 1) * 6, rows * scale) and image.mode == "RGB"
-    pixels = np.asarray(image)
-    weights = maps.cross / maps.cross.max()
-    for head, row, col in ((0, 0, 0), (3, rows - 1, cols - 1), (2, rows // 2, 1)):
-        expected = (np.array(colormaps["viridis"](float(weights[head, row, col]))[:3]) * 255).astype(np.uint8)
-        y, x = row * scale, head * (cols * scale + 6) + col * scale
-        assert (pixels[y, x] == expected).all() and (pixels[y + scale - 1, x + scale - 1] == expected).all()
-    assert (pixels[:, cols * scale:cols * scale + 6] == 255).all()  # the gap between heads 1 and 2
+    image = core.draw_heads(maps, "cross")
+    assert image.mode == "RGB"
+    expected = core.figure_image(attention_figure(maps, "cross"))
+    assert np.array_equal(np.asarray(image), np.asarray(expected))
+    drawn = []  # vaswani-plot's PNG is the same figure
+    monkeypatch.setattr(attention, "save_figure", lambda figure, path, dpi=100: drawn.append(figure) or path)
+    attention.plot_attention(maps, "cross", "unused.png")
+    assert np.array_equal(np.asarray(core.figure_image(drawn[0])), np.asarray(expected))
     empty = core.AttentionMaps(maps.source_tokens, maps.target_tokens, 0, 1, torch.empty(0), maps.decoder, maps.cross)
-    assert core.draw_heads(empty, "encoder") is None
+    assert core.draw_heads(empty, "encoder") is None and core.draw_head(empty, "encoder", 0) is None
 
 
 def test_draw_head_and_positional_encoding_are_images(loaded):
@@ -192,7 +191,14 @@ def test_page_translate_fills_every_output(loaded):
     assert [value for _, value in hypotheses["choices"]] == [0, 1, 2] and hypotheses["value"] == 0
     assert all(image is not None and min(image.size) > 10 for image in [*pictures, positional])
     assert len(targets["choices"]) == len(expected.hypotheses[0].ids) - 1
-    assert len(shaded) == len(expected.source_ids)
+    # the target tokens listed are the decoder rows' labels in the pictures: what each row predicts
+    maps = core.hypothesis_attention(model, tokenizer, expected, 0)[1]
+    listed = [label.split(" ", 1)[1] for label in targets["choices"]]
+    assert listed == maps.predicted_tokens[:len(listed)]
+    assert maps.predicted_tokens[len(listed):] in ([], ["…"])  # a hypothesis cut off before </s>: its last row
+    # no shading until a target token is chosen
+    assert shaded == [(token, 0.0) for token in maps.source_tokens]
+    assert page.highlight(state, None, 2) == shaded
     # another hypothesis, another layer, a target token
     chosen = page.choose_hypothesis(state, 2, 1, 2, "decoder")
     assert chosen[1] == expected.hypotheses[2].text and chosen[0]["index"] == 2
@@ -297,3 +303,28 @@ def test_the_command_refuses_a_missing_folder_and_a_bad_concurrency(tmp_path, mo
         main(["--model", str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="--concurrency must be >= 1, got 0"):
         main(["--model", str(model_folder), "--concurrency", "0"])
+
+
+def test_the_page_says_what_the_model_was_trained_on(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text('{"dataset": "multi30k", "data": {"kind": "multi30k"}}')
+    assert core.training_data_note(run) == core.MULTI30K_NOTE
+    assert "29,000" in core.MULTI30K_NOTE and "Flickr" in core.MULTI30K_NOTE
+    published = tmp_path / "published"
+    published.mkdir()
+    card = "---\nlicense: apache-2.0\ndatasets:\n- wmt/wmt14\nlanguage:\n- de\n---\n# x\n"
+    (published / "README.md").write_text(card)
+    assert core.training_data_note(published).startswith("This model was trained on wmt/wmt14.")
+    (published / "metrics.json").write_text("not json")  # a damaged record: the card still tells
+    assert core.training_data_note(published).startswith("This model was trained on wmt/wmt14.")
+    assert core.training_data_note(tmp_path).startswith("What this model was trained on is not recorded")
+    assert core.training_data_note(None).startswith("What this model was trained on is not recorded")
+
+
+def test_the_page_shows_the_training_data_note_of_the_folder_it_serves(loaded):
+    folder, model, tokenizer = loaded
+    (folder / "metrics.json").write_text('{"dataset": "multi30k"}')
+    demo = build_demo(model, tokenizer, model_dir=str(folder))
+    texts = [block.value for block in demo.blocks.values() if getattr(block, "elem_id", None) == "training_data"]
+    assert texts == [f"*{core.MULTI30K_NOTE}*"]

@@ -153,12 +153,22 @@ def test_translate_and_see_the_attention(page, served):
     assert positional.size == core.draw_positional_encoding(
         model, tokenizer.convert_ids_to_tokens(expected.source_ids)).size
 
+    # the page says how to read the pictures and what the model was trained on
+    expect(page.locator("#reading_the_pictures")).to_contain_text("predicts")
+    expect(page.locator("#reading_the_pictures")).to_contain_text("▁")
+    expect(page.locator("#training_data")).to_contain_text(core.training_data_note(model.name_or_path)[:40])
+    # the source tokens are listed, with "▁" as in the pictures, and no shading until a target token is chosen
+    tokens = page.locator("#source_highlight .score-token")
+    expect(tokens).to_have_count(len(expected.source_ids))
+    page.wait_for_function(SHADING_IS, arg=[0.0] * len(expected.source_ids), timeout=TIMEOUT_MS)
+    assert [t.strip() for t in tokens.all_inner_texts()] == [t.strip() for t in maps.source_tokens]
+
     # choosing a target token shades the source tokens by its encoder-decoder attention
     targets = page.locator("#target_token label")
     assert targets.count() == len(expected.hypotheses[0].ids) - 1
+    assert [t.split(" ", 1)[1] for t in targets.all_inner_texts()] == maps.predicted_tokens[:targets.count()]
     targets.nth(1).click()
     shading = core.source_highlight(maps, 1)
-    tokens = page.locator("#source_highlight .score-token")
     expect(tokens).to_have_count(len(shading))
     page.wait_for_function(SHADING_IS, arg=[round(w, 3) for _, w in shading], timeout=TIMEOUT_MS)
     assert [t.strip() for t in tokens.all_inner_texts()] == [t.strip() for t, _ in shading]
@@ -166,8 +176,8 @@ def test_translate_and_see_the_attention(page, served):
         page.screenshot(path=os.environ["VASWANI_DEMO_SCREENSHOT"], full_page=True)
 
     # another hypothesis: its text and its attention
-    page.locator("#hypotheses label").nth(2).click()
-    expect(page.locator("#translation textarea")).to_have_value(expected.hypotheses[2].text)
+    page.locator("#hypotheses label").nth(2).click()  # answered with its four pictures: allow their drawing time
+    expect(page.locator("#translation textarea")).to_have_value(expected.hypotheses[2].text, timeout=TIMEOUT_MS)
     third = core.hypothesis_attention(model, tokenizer, expected, 2)[-1]
     expect(page.locator("#target_token label")).to_have_count(len(expected.hypotheses[2].ids) - 1)
     shown = picture(page, "heads_decoder", url)

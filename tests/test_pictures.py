@@ -8,7 +8,17 @@ import torch
 from helpers import tiny_model
 
 from vaswani_hf.decoding.paper import paper_generate
-from vaswani_hf.pictures.attention import attention_maps, attention_weights, plot_all_attention, plot_attention
+from vaswani_hf.pictures.attention import (
+    AXIS_NAMES,
+    NOT_PREDICTED,
+    attention_figure,
+    attention_maps,
+    attention_weights,
+    decoder_rows,
+    plot_all_attention,
+    plot_attention,
+)
+from vaswani_hf.pictures.positions import curve_dimensions, positional_encoding_figure, wavelength
 from vaswani_training.plot import learning_curve_data, plot_learning_curve
 from vaswani_training.plot import main as plot_main
 
@@ -48,6 +58,10 @@ def test_maps_have_the_right_shapes_and_rows_sum_to_one(model, tiny_tokenizer):
     assert maps.source_tokens == tiny_tokenizer.convert_ids_to_tokens(source_ids)
     assert maps.source_tokens[-1] == "</s>" and maps.target_tokens[0] == "<s>"
     assert maps.target_tokens[1:] == tiny_tokenizer.convert_ids_to_tokens(labels[:-1])
+    # each decoder row is labelled with the token it predicts: the labels, </s> last
+    assert maps.predicted_tokens == tiny_tokenizer.convert_ids_to_tokens(labels)
+    assert maps.axes("cross") == (maps.predicted_tokens, maps.source_tokens)
+    assert maps.axes("decoder") == (maps.predicted_tokens, maps.target_tokens)
     assert (maps.layer, maps.num_layers) == (0, 2)
     last = attention_maps(model, tiny_tokenizer, SOURCE, TARGET)  # default: the last layer
     assert last.layer == 1 and not torch.allclose(last.encoder, maps.encoder)
@@ -140,3 +154,82 @@ def test_command(model, tiny_tokenizer, tmp_path, capsys):
     assert _png_size(tmp_path / "curve.png")[2] > 10_000
     with pytest.raises(SystemExit, match="No trainer_state.json"):
         plot_main(["curve", "--trainer_state", str(tmp_path / "nowhere"), "--output", str(tmp_path / "c.png")])
+
+
+def test_decoder_rows_are_the_inputs_and_what_each_predicts():
+    assert decoder_rows([1, 7, 8, 2], eos_token_id=2) == ([1, 7, 8], [7, 8, 2])
+    assert decoder_rows([1, 7, 8], eos_token_id=2) == ([1, 7, 8], [7, 8, None])  # cut off before </s>
+    assert decoder_rows([1], eos_token_id=2) == ([1], [None])
+
+
+def test_every_attention_picture_has_head_numbers_token_ticks_axis_names_and_a_colour_scale(model, tiny_tokenizer):
+    maps = attention_maps(model, tiny_tokenizer, SOURCE, TARGET)
+    for kind in ("encoder", "decoder", "cross"):
+        figure = attention_figure(maps, kind)
+        heads = [ax for ax in figure.axes if ax.get_title().startswith("head")]
+        assert [ax.get_title() for ax in heads] == ["head 1", "head 2", "head 3", "head 4"]
+        rows, cols = maps.axes(kind)
+        assert [t.get_text() for t in heads[0].get_xticklabels()] == cols
+        assert [t.get_text() for t in heads[0].get_yticklabels()] == rows
+        assert heads[0].get_ylabel() == AXIS_NAMES[kind][0] and heads[-1].get_xlabel() == AXIS_NAMES[kind][1]
+        (colour_bar,) = [ax for ax in figure.axes if ax not in heads]
+        assert colour_bar.get_ylabel() == "attention weight"
+        # one scale for all heads: every image spans 0 to the largest weight of the figure
+        limits = [ax.images[0].get_clim() for ax in heads]
+        assert limits == [(0.0, pytest.approx(float(maps[kind].max())))] * 4
+    one = attention_figure(maps, "cross", heads=[2])
+    assert "head 3" in one._suptitle.get_text() and [ax.get_title() for ax in one.axes][:1] == ["head 3"]
+    with pytest.raises(IndexError, match="head 5 does not exist"):
+        attention_figure(maps, "cross", heads=[4])
+
+
+def test_a_decoder_row_without_a_prediction_is_marked(model, tiny_tokenizer):
+    from vaswani_hf.pictures.attention import predicted_token_labels
+
+    assert predicted_token_labels(tiny_tokenizer, [5, None])[1] == NOT_PREDICTED
+
+
+def test_the_positional_encoding_picture_is_section_3_5(model, tiny_tokenizer):
+    import math
+
+    d_model = model.config.d_model
+    assert wavelength(0, d_model) == pytest.approx(2 * math.pi)
+    assert wavelength(d_model - 1, d_model) == pytest.approx(2 * math.pi * 10000 ** ((d_model - 2) / d_model))
+    dims = curve_dimensions(512)
+    # geometric: 2π, 2π·10, 2π·100, 2π·1000
+    assert [round(wavelength(d, 512) / (2 * math.pi)) for d in dims] == [1, 10, 100, 1000]
+    tokens = tiny_tokenizer.convert_ids_to_tokens(tiny_tokenizer(SOURCE)["input_ids"])
+    figure = positional_encoding_figure(model, tokens)
+    heat, lines = figure.axes[0], figure.axes[1]
+    table = heat.images[0].get_array()
+    assert table.shape == (len(tokens), d_model)
+    positions = torch.arange(len(tokens), dtype=torch.float64)[:, None]
+    i = torch.arange(d_model // 2, dtype=torch.float64)
+    angles = positions / 10000 ** (2 * i / d_model)
+    # the sines of every i, then the cosines: smooth halves, not interleaved stripes
+    assert torch.allclose(torch.as_tensor(table[:, : d_model // 2]).double(), torch.sin(angles), atol=1e-5)
+    assert torch.allclose(torch.as_tensor(table[:, d_model // 2:]).double(), torch.cos(angles), atol=1e-5)
+    assert [t.get_text() for t in heat.get_yticklabels()] == [f"{n} {t}" for n, t in enumerate(tokens)]
+    labels = [line.get_label() for line in lines.get_lines()]
+    assert labels[0].startswith("2i = 0: wavelength 6")
+    # the legend sits below the curves, not over them
+    legend = lines.get_legend()
+    assert legend is not None and legend.get_bbox_to_anchor().y1 < lines.get_window_extent().y0 + 1
+    assert "wavelength" in figure._supxlabel.get_text()
+
+
+def test_positions_command(model, tiny_tokenizer, tmp_path, capsys):
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer.save_pretrained(tmp_path / "model")
+    assert plot_main(["positions", "--model_dir", str(tmp_path / "model"), "--source", SOURCE,
+                      "--output", str(tmp_path / "pe.png")]) == 0
+    width, height, size = _png_size(tmp_path / "pe.png")
+    assert width > 600 and size > 10_000
+    assert plot_main(["positions", "--model_dir", str(tmp_path / "model"), "--positions", "40",
+                      "--output", str(tmp_path / "pe40.png")]) == 0
+    assert _png_size(tmp_path / "pe40.png")[1] > height  # more rows
+    with pytest.raises(SystemExit, match="--positions must be between 1 and 1000"):
+        plot_main(["positions", "--model_dir", str(tmp_path / "model"), "--positions", "0",
+                   "--output", str(tmp_path / "x.png")])
+    with pytest.raises(SystemExit, match="no config.json"):
+        plot_main(["positions", "--model_dir", str(tmp_path), "--positions", "4", "--output", str(tmp_path / "x.png")])

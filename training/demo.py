@@ -7,8 +7,9 @@ Type or paste a sentence in the model's source language, choose the beam size, t
 hypotheses to list, and the page shows the n-best translations with their scores. For the chosen hypothesis it draws
 the attention of every head of the encoder self-attention, the decoder self-attention and the encoder-decoder
 attention of a chosen layer (as the paper's Figures 3-5), one head enlarged, and the positional encoding (§3.5) of the
-sentence's positions; choosing a target token shades the source tokens it attended to. The best hypothesis is
-`vaswani-translate`'s translation with the same settings (the same `generate()` call).
+sentence's positions, drawn by the code `vaswani-plot` draws with; choosing a target token shades the source tokens it
+attended to. The page says what the model was trained on (its folder's metrics.json or model card). The best
+hypothesis is `vaswani-translate`'s translation with the same settings (the same `generate()` call).
 
 A thin Gradio layer over `vaswani_hf.pictures.demo`; needs `pip install 'vaswani-hf[demo]'`. Requests wait in Gradio's
 queue and `--concurrency` of them run at once; each is bounded (10,000 characters, 200 subword tokens, beam <= 12).
@@ -87,7 +88,7 @@ class DemoPage:
         targets = [f"{i + 1} {t}" for i, t in enumerate(core.output_tokens(self.tokenizer, hypothesis))]
         return [{"translation": translation, "index": index, "maps": maps}, hypothesis.text,
                 *self.pictures(maps, layer, head, kind), self.gr.update(choices=targets, value=None),
-                core.source_highlight(maps[int(layer) - 1], 0)]
+                core.unshaded(maps[int(layer) - 1])]  # no shading until a target token is chosen
 
     def cleared(self, message: str) -> list:
         self.gr.Warning(message)
@@ -129,18 +130,21 @@ class DemoPage:
         return self.pictures(state["maps"], layer, head, kind) if state else [None] * 4
 
     def highlight(self, state, target, layer):
-        """A target token chosen (0-based): the source tokens shaded by its encoder-decoder attention."""
-        if not state or target is None:
+        """A target token chosen (0-based): the source tokens shaded by its encoder-decoder attention; none chosen:
+        the source tokens unshaded."""
+        if not state:
             return None
-        return core.source_highlight(state["maps"][int(layer) - 1], int(target))
+        maps = state["maps"][int(layer) - 1]
+        return core.unshaded(maps) if target is None else core.source_highlight(maps, int(target))
 
 
 def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see the model translate",
-               source_lang: str = "de"):
+               source_lang: str = "de", model_dir: str | None = None):
     """The page as a `gradio.Blocks` (not launched), wiring `DemoPage`'s methods to its elements. Element ids (the
-    browser test reads them): `source`, `num_beams`, `length_penalty`, `num_hypotheses`, `translate`, `status`,
-    `translation`, `hypotheses`, `layer`, `head`, `kind`, `heads_encoder`, `heads_decoder`, `heads_cross`,
-    `head_enlarged`, `positional`, `target_token`, `source_highlight`.
+    browser test reads them): `training_data`, `source`, `num_beams`, `length_penalty`, `num_hypotheses`,
+    `translate`, `status`, `translation`, `hypotheses`, `layer`, `head`, `kind`, `heads_encoder`, `heads_decoder`,
+    `heads_cross`, `head_enlarged`, `positional`, `target_token`, `source_highlight`. `model_dir` (default: the folder
+    the model was loaded from) is where the page reads what the model was trained on.
 
     Raises:
         ImportError: gradio is not installed (the message says how to install it).
@@ -155,12 +159,14 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
     generation = model.generation_config
     default_beams = min(generation.num_beams or 4, core.MAX_BEAMS)
     default_alpha = generation.length_penalty if generation.length_penalty is not None else 0.6
+    note = core.training_data_note(model_dir if model_dir is not None else getattr(model, "name_or_path", None))
     with gr.Blocks(title=title, analytics_enabled=False) as demo:
         state = gr.State(None)
         gr.Markdown(f"# {title}\nType or paste a sentence in the model's source language ({source_lang}): at most "
                     f"{core.MAX_CHARACTERS:,} characters and {core.MAX_SOURCE_TOKENS} subword tokens. Beam size 1 to "
                     f"{core.MAX_BEAMS} (the paper's: 4, length penalty 0.6, §6.1; the page applies the penalty as "
                     f"transformers does, log-probability / length^penalty, not in the paper's GNMT form).")
+        gr.Markdown(f"*{note}*", elem_id="training_data")
         source = gr.Textbox(label="Source", lines=3, elem_id="source",
                             placeholder=EXAMPLE_SOURCES.get(source_lang, ""))
         with gr.Row():
@@ -180,18 +186,24 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
             head = gr.Slider(1, page.num_heads, value=1, step=1, label="Head (enlarged)", elem_id="head")
             kind = gr.Radio([(label, k) for k, label in core.KIND_TITLES.items()], value="cross",
                             label="Enlarged attention", elem_id="kind")
-        images = [gr.Image(label=f"{core.KIND_TITLES[k]}: all heads, left to right (rows: queries, columns: keys)",
-                           type="pil", format="png", elem_id=f"heads_{k}", interactive=False)
+        gr.Markdown("Each picture is one kind of attention of the chosen layer, a heatmap per head (numbered), one "
+                    "colour scale for all heads. Rows are queries, columns keys. A decoder position reads the token "
+                    "before it (`<s>` first) and predicts the next one, so the rows of the decoder's pictures are "
+                    "labelled with the output token each one predicts, the same tokens as in the target-token list "
+                    "below, and the decoder self-attention's columns with the inputs. `▁` starts a word (the BPE's "
+                    "word-boundary marker), in the pictures and in the lists alike.", elem_id="reading_the_pictures")
+        images = [gr.Image(label=f"{core.KIND_TITLES[k]}: every head", show_label=False, type="pil", format="png",
+                           elem_id=f"heads_{k}", interactive=False)
                   for k in core.ATTENTION_KINDS]
-        enlarged = gr.Image(label="one head, enlarged", type="pil", format="png", elem_id="head_enlarged",
-                            interactive=False)
+        enlarged = gr.Image(label="one head, enlarged", show_label=False, type="pil", format="png",
+                            elem_id="head_enlarged", interactive=False)
         with gr.Row():
-            target = gr.Radio(label="Target token (choose one to shade the source tokens it attended to)",
+            target = gr.Radio(label="Output token (choose one to shade the source tokens it attended to)",
                               type="index", choices=[], elem_id="target_token")
             shaded = gr.HighlightedText(label="Encoder-decoder attention of that token (chosen layer, mean of heads)",
                                         elem_id="source_highlight")
-        positional = gr.Image(label="Positional encoding of the source positions (§3.5)", type="pil", format="png",
-                              elem_id="positional", interactive=False)
+        positional = gr.Image(label="Positional encoding of the source positions (§3.5)", show_label=False, type="pil",
+                              format="png", elem_id="positional", interactive=False)
 
         inputs = [source, beams, alpha, n_best, layer, head, kind]
         outputs = [state, status, translation, hypotheses, *images, enlarged, positional, target, shaded]
@@ -248,19 +260,19 @@ def space_files(source_lang: str = "de") -> dict[str, str]:
     """The files a Space needs beside a published model, by path relative to the folder: `app.py` (runs this page
     for the folder's model, loaded with `trust_remote_code=True`), `requirements.txt`, and `vaswani_demo/` holding this
     module as `page.py` with the `vaswani_hf` modules the page's core uses, in their folders: `checks.py`,
-    `decoding/translate.py`, `pictures/attention.py` and `pictures/demo.py` (they import only each other, torch,
-    matplotlib and Pillow; each folder gets an `__init__.py` of its own that imports nothing), so the Space needs no
-    vaswani_hf."""
+    `decoding/translate.py`, `pictures/attention.py`, `pictures/positions.py` and `pictures/demo.py` (they import only
+    each other, torch, matplotlib and Pillow; each folder gets an `__init__.py` of its own that imports nothing), so
+    the Space needs no vaswani_hf."""
     from pathlib import Path
 
     from vaswani_hf import checks
     from vaswani_hf.decoding import translate
-    from vaswani_hf.pictures import attention
+    from vaswani_hf.pictures import attention, positions
 
     package_doc = '"""The vaswani-demo page and the vaswani_hf modules it uses."""\n'
     files = {f"{SPACE_PACKAGE}/__init__.py": package_doc, f"{SPACE_PACKAGE}/page.py": Path(__file__).read_text(
         encoding="utf-8")}
-    for module in (checks, translate, attention, core):
+    for module in (checks, translate, attention, positions, core):
         # vaswani_hf.decoding.translate -> vaswani_demo/decoding/translate.py, beside an __init__.py of its own
         *folders, name = module.__name__.split(".")[1:]
         for depth in range(1, len(folders) + 1):
@@ -318,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--model {args.model}: not a saved model folder (no config.json).")
     try:
         model, tokenizer = load_model(args.model, trust_remote_code=args.trust_remote_code, device=args.device)
-        demo = build_demo(model, tokenizer, source_lang=args.source_lang)
+        demo = build_demo(model, tokenizer, source_lang=args.source_lang, model_dir=args.model)
     except (ImportError, OSError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     launch(demo, host=args.host, port=args.port, concurrency=args.concurrency)

@@ -4,10 +4,15 @@
         --target "A dog runs along the beach." --layer 6 --output_dir pictures/
     vaswani-plot attention --model_dir outputs/multi30k-de-en --source "Ein Hund läuft am Strand." --num_beams 4 \\
         --output_dir pictures/            # attention behind the model's own translation
+    vaswani-plot positions --model_dir outputs/multi30k-de-en --source "Ein Hund läuft am Strand." \\
+        --output pictures/positions.png
     vaswani-plot curve --trainer_state outputs/multi30k-de-en --output pictures/curve.png
 
 `attention` writes three PNGs for one layer (encoder self-attention, decoder self-attention, encoder-decoder
-attention), each a grid of per-head heatmaps with the subwords on the axes, as in the paper's Figures 3-5.
+attention), each a grid of per-head heatmaps with the subwords on the axes, as in the paper's Figures 3-5; the
+decoder's rows are labelled with the output token each predicts. `positions` draws the positional encoding (§3.5) of
+a sentence's positions (or of `--positions N`). The demo page (`vaswani-demo`) shows the same pictures, drawn by the
+same code (`vaswani_hf.pictures`).
 `curve` draws the training loss, validation loss, validation BLEU and learning rate against the step from the
 `log_history` of a Trainer's `trainer_state.json` (give the file, a run's output_dir or a checkpoint folder).
 Needs matplotlib.
@@ -126,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--output_dir", required=True, help="Folder for the three PNGs.")
     attention.add_argument("--prefix", default="attention", help="File name prefix (default 'attention').")
 
+    positions = commands.add_parser("positions", help="The positional encoding (§3.5) of a sentence's positions.")
+    positions.add_argument("--model_dir", required=True, help="A saved model folder (with its tokenizer for --source).")
+    group = positions.add_mutually_exclusive_group(required=True)
+    group.add_argument("--source", help="A source sentence: its tokens label the positions.")
+    group.add_argument("--positions", type=int, help="Draw positions 0 .. N - 1 instead of a sentence's.")
+    positions.add_argument("--output", required=True, help="The PNG to write.")
+
     curve = commands.add_parser("curve", help="Learning curve from a Trainer's trainer_state.json.")
     curve.add_argument("--trainer_state", required=True,
                        help="trainer_state.json, or a run's output_dir / a checkpoint folder holding one.")
@@ -160,11 +172,38 @@ def _attention(args) -> list[Path]:
     return plot_all_attention(maps, args.output_dir, prefix=args.prefix)
 
 
+def _positions(args) -> Path:
+    from transformers import AutoTokenizer
+
+    from vaswani_hf import VaswaniForConditionalGeneration
+    from vaswani_hf.checks import check_model_folder
+    from vaswani_hf.pictures.attention import save_figure
+    from vaswani_hf.pictures.positions import positional_encoding_figure
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
+    if args.positions is not None and not 1 <= args.positions <= 1000:
+        raise ValueError(f"--positions must be between 1 and 1000, got {args.positions}.")
+    if args.source is not None and not args.source.strip():
+        raise ValueError("--source is empty: give a sentence, or --positions N.")
+    check_model_folder(model_dir)
+    model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
+    if args.source is not None:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokens = tokenizer.convert_ids_to_tokens(tokenizer(args.source)["input_ids"])
+    else:
+        tokens = [""] * args.positions
+    return save_figure(positional_encoding_figure(model, tokens), args.output)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "attention":
             paths = _attention(args)
+        elif args.command == "positions":
+            paths = [_positions(args)]
         else:
             paths = [plot_learning_curve(args.trainer_state, args.output, args.metric)]
     except (ValueError, FileNotFoundError, ImportError) as error:

@@ -1,8 +1,10 @@
 """Pictures of what the model computes, and the demo page's core that draws them.
 
 - `attention.py`: the attention weights of one layer for a sentence pair and their heatmaps, as in the paper's
-  Figures 3-5 (`attention_maps`, `plot_attention`, `plot_all_attention`; `vaswani-plot attention`), and the
-  matplotlib figure helpers (`new_figure`, `save_figure`) that `vaswani-plot curve` draws with;
+  Figures 3-5 (`attention_maps`, `attention_figure`, `plot_attention`, `plot_all_attention`; `vaswani-plot
+  attention`), and the matplotlib figure helpers (`new_figure`, `save_figure`) that `vaswani-plot curve` draws with;
+- `positions.py`: the positional encoding of §3.5 as the paper writes it (`positional_encoding_figure`;
+  `vaswani-plot positions`);
 - `demo.py`: what the `vaswani-demo` page computes without the page: the checks of a request, the n-best translations
   with their scores, the attention of every layer for one hypothesis, and its pictures as PIL images (the heads, the
   positional encoding of §3.5).
@@ -15,6 +17,7 @@ from .attention import (
     ATTENTION_KINDS,
     KIND_TITLES,
     AttentionMaps,
+    attention_figure,
     attention_maps,
     attention_weights,
     new_figure,
@@ -35,9 +38,12 @@ from .demo import (
     hypothesis_attention,
     output_tokens,
     source_highlight,
+    training_data_note,
     translate_nbest,
     unknown_characters,
+    unshaded,
 )
+from .positions import positional_encoding_figure
 
 __all__ = [
     "ATTENTION_KINDS",
@@ -48,6 +54,7 @@ __all__ = [
     "AttentionMaps",
     "Hypothesis",
     "Translation",
+    "attention_figure",
     "attention_maps",
     "attention_weights",
     "check_request",
@@ -59,8 +66,11 @@ __all__ = [
     "output_tokens",
     "plot_all_attention",
     "plot_attention",
+    "positional_encoding_figure",
     "save_figure",
     "source_highlight",
+    "training_data_note",
     "translate_nbest",
     "unknown_characters",
+    "unshaded",
 ]

@@ -7,8 +7,12 @@ kind as a grid of per-head heatmaps to a PNG. matplotlib is an optional dependen
 (`pip install matplotlib` or `pip install 'vaswani-hf[train]'`); drawing uses the Agg backend and no pyplot
 state, so it works on machines without a display.
 
-Rows are queries, columns keys. Decoder rows are labelled with the decoder *input* at that position (`<s>` and
-the target without its `</s>`); row `t` is the state that predicts target token `t + 1`.
+Rows are queries, columns keys. A decoder position reads the token before it (`<s>` first) and predicts the next
+one, so the rows of the decoder self-attention and of the encoder-decoder attention are labelled with the output
+token each row predicts, and the decoder self-attention's columns with the decoder input each key position read.
+`attention_figure` draws every picture of the package, here and on the demo page: head numbers, token ticks, the
+names of both axes and one colour scale for all heads. The subword marker "▁" (a token that starts a word) is shown
+as it is, everywhere.
 """
 
 from __future__ import annotations
@@ -25,9 +29,15 @@ from ..checks import replace_file_atomically
 ATTENTION_KINDS = ("encoder", "decoder", "cross")
 KIND_TITLES = {"encoder": "encoder self-attention", "decoder": "decoder self-attention",
                "cross": "encoder-decoder attention"}
+# (rows, columns) of each kind: rows are queries, columns keys
+AXIS_NAMES = {"encoder": ("source token (query)", "source token (key)"),
+              "decoder": ("predicting the output token (query)", "decoder input (key)"),
+              "cross": ("predicting the output token (query)", "source token (key)")}
+NOT_PREDICTED = "…"  # the row label of a decoder position whose prediction the sequence does not hold
 
-__all__ = ["ATTENTION_KINDS", "KIND_TITLES", "AttentionMaps", "attention_maps", "attention_weights", "new_figure",
-           "plot_all_attention", "plot_attention", "save_figure"]
+__all__ = ["ATTENTION_KINDS", "AXIS_NAMES", "KIND_TITLES", "AttentionMaps", "attention_figure", "attention_maps",
+           "attention_weights", "decoder_rows", "new_figure", "plot_all_attention", "plot_attention",
+           "predicted_token_labels", "save_figure"]
 
 
 @dataclass
@@ -40,6 +50,9 @@ class AttentionMaps:
         layer: 0-based layer index; num_layers: layers in the stack.
         encoder: `(H, S, S)`; decoder: `(H, T, T)` (zero above the diagonal); cross: `(H, T, S)`. Every row
             is a probability distribution over the keys.
+        predicted_tokens: the `T` output tokens the decoder rows predict (`target_tokens` shifted by one, `</s>`
+            last; `NOT_PREDICTED` for a last row whose prediction the sequence does not hold); `None`: unknown, the
+            rows are labelled with `target_tokens`.
     """
 
     source_tokens: list[str]
@@ -49,6 +62,7 @@ class AttentionMaps:
     encoder: torch.Tensor
     decoder: torch.Tensor
     cross: torch.Tensor
+    predicted_tokens: list[str] | None = None
 
     def __getitem__(self, kind: str) -> torch.Tensor:
         if kind not in ATTENTION_KINDS:
@@ -56,10 +70,25 @@ class AttentionMaps:
         return getattr(self, kind)
 
     def axes(self, kind: str) -> tuple[list[str], list[str]]:
-        """(row labels, column labels) of `kind`."""
+        """(row labels, column labels) of `kind`: decoder rows by the output token they predict, where known."""
+        rows = self.predicted_tokens if self.predicted_tokens is not None else self.target_tokens
         return {"encoder": (self.source_tokens, self.source_tokens),
-                "decoder": (self.target_tokens, self.target_tokens),
-                "cross": (self.target_tokens, self.source_tokens)}[kind]
+                "decoder": (rows, self.target_tokens),
+                "cross": (rows, self.source_tokens)}[kind]
+
+
+def decoder_rows(ids: list[int], eos_token_id: int) -> tuple[list[int], list[int | None]]:
+    """The decoder inputs of a sequence `ids` (start token first, `</s>` last where it ended) and the token each
+    input position predicts: `ids` without its `</s>` (never an input), and `ids[1:]`, with `None` for a last position
+    whose prediction `ids` does not hold (a sequence cut off before `</s>`)."""
+    inputs = ids[:-1] if len(ids) > 1 and ids[-1] == eos_token_id else list(ids)
+    predicted: list[int | None] = list(ids[1:])
+    return inputs, predicted + [None] * (len(inputs) - len(predicted))
+
+
+def predicted_token_labels(tokenizer, ids: list[int | None]) -> list[str]:
+    """The row labels of `decoder_rows`' predictions: their tokens, `NOT_PREDICTED` for `None`."""
+    return [NOT_PREDICTED if i is None else tokenizer.convert_ids_to_tokens(i) for i in ids]
 
 
 def _layer_index(layer: int, num_layers: int) -> int:
@@ -128,18 +157,17 @@ def attention_maps(model, tokenizer, source: str, target: str | None = None, lay
 
         device = next(model.parameters()).device
         generated = paper_generate(model, input_ids.to(device), num_beams=num_beams)[0].cpu()
-        decoder_ids = generated[generated.ne(model.config.pad_token_id)]
+        sequence = generated[generated.ne(model.config.pad_token_id)].tolist()
     else:
-        labels = tokenizer(text_target=target)["input_ids"]
-        decoder_ids = torch.tensor([start] + labels)
-    if decoder_ids[-1].item() == eos:  # </s> is never a decoder input
-        decoder_ids = decoder_ids[:-1]
-    weights = attention_weights(model, input_ids, decoder_ids, layer)
+        sequence = [start] + tokenizer(text_target=target)["input_ids"]
+    decoder_ids, predicted = decoder_rows(sequence, eos)  # </s> is never a decoder input
+    weights = attention_weights(model, input_ids, torch.tensor(decoder_ids), layer)
     return AttentionMaps(
         source_tokens=tokenizer.convert_ids_to_tokens(input_ids[0].tolist()),
-        target_tokens=tokenizer.convert_ids_to_tokens(decoder_ids.tolist()),
+        target_tokens=tokenizer.convert_ids_to_tokens(decoder_ids),
         layer=_layer_index(layer, model.config.decoder_layers),
         num_layers=model.config.decoder_layers,
+        predicted_tokens=predicted_token_labels(tokenizer, predicted),
         **weights,
     )
 
@@ -168,10 +196,60 @@ def save_figure(figure, path: str | os.PathLike, dpi: int = 100) -> Path:
     return replace_file_atomically(path, lambda tmp: figure.savefig(tmp, format="png", dpi=dpi, bbox_inches="tight"))
 
 
+def attention_figure(maps: AttentionMaps, kind: str, heads: list[int] | None = None, heads_per_row: int = 4,
+                     cmap: str = "viridis"):
+    """One kind of attention of `maps` as a matplotlib `Figure`: a heatmap per head, titled "head h" (1-based), the
+    tokens on both axes (`AttentionMaps.axes`), the axes named (`AXIS_NAMES`), and one colour bar from 0 to the
+    largest weight of the figure, the same for every head so that they compare. What `vaswani-plot attention` and
+    the demo page draw.
+
+    Args:
+        maps: from `attention_maps` (or the demo's `hypothesis_attention`).
+        kind: `"encoder"`, `"decoder"` or `"cross"`.
+        heads: 0-based heads to draw (default all), `heads_per_row` to a row.
+    Raises:
+        KeyError: an unknown kind. IndexError: a head the model does not have. ImportError: matplotlib is missing.
+    """
+    weights = maps[kind].numpy()  # (H, rows, cols)
+    heads = list(range(weights.shape[0])) if heads is None else list(heads)
+    for head in heads:
+        if not 0 <= head < weights.shape[0]:
+            raise IndexError(f"head {head + 1} does not exist: the model has {weights.shape[0]} heads.")
+    rows, cols = maps.axes(kind)
+    row_name, col_name = AXIS_NAMES[kind]
+    ncols = min(heads_per_row, len(heads))
+    nrows = math.ceil(len(heads) / ncols)
+    cell_w = min(max(3.0, 0.22 * len(cols) + 1.2), 9.0)  # long sentences: smaller labels, not a wider page
+    cell_h = min(max(2.8, 0.22 * len(rows) + 1.2), 9.0)
+    figure = new_figure(figsize=(cell_w * ncols + 1.0, cell_h * nrows + 0.9), layout="constrained")
+    vmax = max(float(weights[heads].max()), 1e-6)
+    axes = figure.subplots(nrows, ncols, squeeze=False)
+    image = None
+    longest = max(len(rows), len(cols))
+    fontsize = 8 if longest <= 30 else 6 if longest <= 45 else 4
+    for slot in range(nrows * ncols):
+        ax = axes[slot // ncols][slot % ncols]
+        if slot >= len(heads):
+            ax.axis("off")
+            continue
+        head = heads[slot]
+        image = ax.imshow(weights[head], vmin=0.0, vmax=vmax, cmap=cmap, aspect="auto", interpolation="nearest")
+        ax.set_title(f"head {head + 1}", fontsize=10)
+        ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(len(rows)), rows if slot % ncols == 0 else [], fontsize=fontsize)
+        if slot % ncols == 0:
+            ax.set_ylabel(row_name, fontsize=9)
+        if slot // ncols == nrows - 1:
+            ax.set_xlabel(col_name, fontsize=9)
+    one = f", head {heads[0] + 1}" if len(heads) == 1 else ""
+    figure.suptitle(f"{KIND_TITLES[kind]}, layer {maps.layer + 1} of {maps.num_layers}{one}", fontsize=11)
+    figure.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight")
+    return figure
+
+
 def plot_attention(maps: AttentionMaps, kind: str, path: str | os.PathLike, heads_per_row: int = 4,
                    cmap: str = "viridis", dpi: int = 100) -> Path:
-    """Draw one kind of attention of `maps` as a grid of per-head heatmaps and write it to a PNG. The colour scale
-    runs from 0 to the largest weight in the figure, the same for every head.
+    """Draw one kind of attention of `maps` (`attention_figure`: every head) and write it to a PNG.
 
     Args:
         maps: from `attention_maps`.
@@ -182,32 +260,7 @@ def plot_attention(maps: AttentionMaps, kind: str, path: str | os.PathLike, head
     Raises:
         KeyError: an unknown kind. ImportError: matplotlib is missing.
     """
-    weights = maps[kind].numpy()  # (H, rows, cols)
-    rows, cols = maps.axes(kind)
-    heads = weights.shape[0]
-    ncols = min(heads_per_row, heads)
-    nrows = math.ceil(heads / ncols)
-    cell_w = max(2.5, 0.22 * len(cols) + 1.0)
-    cell_h = max(2.5, 0.22 * len(rows) + 1.0)
-    figure = new_figure(figsize=(cell_w * ncols + 1.0, cell_h * nrows + 0.8), layout="constrained")
-    vmax = max(float(weights.max()), 1e-6)  # one scale for all heads of the figure, so they compare
-    axes = figure.subplots(nrows, ncols, squeeze=False)
-    image = None
-    fontsize = 8 if max(len(rows), len(cols)) <= 30 else 6
-    for head in range(nrows * ncols):
-        ax = axes[head // ncols][head % ncols]
-        if head >= heads:
-            ax.axis("off")
-            continue
-        image = ax.imshow(weights[head], vmin=0.0, vmax=vmax, cmap=cmap, aspect="auto", interpolation="nearest")
-        ax.set_title(f"head {head + 1}", fontsize=9)
-        ax.set_xticks(range(len(cols)))
-        ax.set_xticklabels(cols, rotation=90, fontsize=fontsize)
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels(rows if head % ncols == 0 else [], fontsize=fontsize)
-    figure.suptitle(f"{KIND_TITLES[kind]}, layer {maps.layer + 1} of {maps.num_layers}", fontsize=11)
-    figure.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight")
-    return save_figure(figure, path, dpi=dpi)
+    return save_figure(attention_figure(maps, kind, heads_per_row=heads_per_row, cmap=cmap), path, dpi=dpi)
 
 
 def plot_all_attention(maps: AttentionMaps, output_dir: str | os.PathLike, prefix: str = "attention",

@@ -7,22 +7,33 @@ Decoding goes through `decoding.translate.translate_sentences`, the code path of
 hypothesis is the command's translation for the same beam size and length penalty. Pictures are PIL images (Pillow
 comes with matplotlib), drawn with the Agg backend.
 
-Imports only torch, matplotlib, Pillow and three modules of vaswani_hf (relatively): `checks.py`,
-`decoding/translate.py` and `pictures/attention.py`, so `vaswani-publish --space` ships this file with those three,
-in the same folders, into a Space folder that has no vaswani_hf installed.
+Every picture is drawn by the code `vaswani-plot` draws with (`attention.attention_figure`,
+`positions.positional_encoding_figure`), at a screen's resolution.
+
+Imports only torch, matplotlib, Pillow and four modules of vaswani_hf (relatively): `checks.py`,
+`decoding/translate.py`, `pictures/attention.py` and `pictures/positions.py`, so `vaswani-publish --space` ships this
+file with those four, in the same folders, into a Space folder that has no vaswani_hf installed.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
 
 from ..checks import CheckError
 from ..decoding.translate import translate_sentences
-from .attention import ATTENTION_KINDS, KIND_TITLES, AttentionMaps, new_figure, save_figure
+from .attention import (
+    ATTENTION_KINDS,
+    KIND_TITLES,
+    AttentionMaps,
+    attention_figure,
+    decoder_rows,
+    predicted_token_labels,
+)
+from .positions import positional_encoding_figure
 
 MAX_CHARACTERS = 10_000  # the page states it; longer text is refused before it is tokenized
 MAX_SOURCE_TOKENS = 200  # bounds one request's decoding time (a paper sentence has ~30 subwords)
@@ -31,7 +42,13 @@ PAGE_DPI = 72  # pictures for a screen, small and quick to draw
 
 __all__ = ["ATTENTION_KINDS", "KIND_TITLES", "MAX_BEAMS", "MAX_CHARACTERS", "MAX_SOURCE_TOKENS", "Hypothesis",
            "Translation", "check_request", "draw_head", "draw_heads", "draw_positional_encoding",
-           "hypothesis_attention", "output_tokens", "source_highlight", "translate_nbest", "unknown_characters"]
+           "figure_image", "hypothesis_attention", "output_tokens", "source_highlight", "training_data_note",
+           "translate_nbest", "unknown_characters", "unshaded"]
+
+MULTI30K_NOTE = ("This model was trained on Multi30k only: 29,000 short English descriptions of Flickr photos (people, "
+                 "animals, everyday scenes) and their German translations, with a small Transformer. It translates "
+                 "short sentences that describe a scene; on other text it often mistranslates or drops names, numbers "
+                 "and words, and it can write a fluent sentence that says something the source does not.")
 
 
 @dataclass
@@ -166,13 +183,12 @@ def hypothesis_attention(model, tokenizer, translation: Translation, index: int 
     Returns:
         one `AttentionMaps` a layer (`max(encoder_layers, decoder_layers)` of them); the target tokens are the
         decoder inputs (`<s>` and the hypothesis without `</s>`), so row `t` of `decoder` and `cross` is the state
-        that chose output token `t` (`hypotheses[index].ids[t + 1]`). A stack with fewer layers has an empty
-        `(0,)` tensor where it has no layer.
+        that chose output token `t` (`hypotheses[index].ids[t + 1]`, `predicted_tokens[t]`). A stack with fewer
+        layers has an empty `(0,)` tensor where it has no layer.
     Raises:
         IndexError: no hypothesis `index`.
     """
-    ids = translation.hypotheses[index].ids
-    decoder_ids = ids[:-1] if len(ids) > 1 and ids[-1] == model.config.eos_token_id else ids
+    decoder_ids, predicted = decoder_rows(translation.hypotheses[index].ids, model.config.eos_token_id)
     device = next(model.parameters()).device
     model.eval()
     out = model(input_ids=torch.tensor([translation.source_ids], device=device),
@@ -180,6 +196,7 @@ def hypothesis_attention(model, tokenizer, translation: Translation, index: int 
                 use_cache=False)
     source_tokens = tokenizer.convert_ids_to_tokens(translation.source_ids)
     target_tokens = tokenizer.convert_ids_to_tokens(decoder_ids)
+    predicted_tokens = predicted_token_labels(tokenizer, predicted)
     empty = torch.empty(0)
 
     def layer(stack, i):
@@ -188,7 +205,7 @@ def hypothesis_attention(model, tokenizer, translation: Translation, index: int 
     num_layers = max(len(out.encoder_attentions), len(out.decoder_attentions))
     return [AttentionMaps(source_tokens=source_tokens, target_tokens=target_tokens, layer=i, num_layers=num_layers,
                           encoder=layer(out.encoder_attentions, i), decoder=layer(out.decoder_attentions, i),
-                          cross=layer(out.cross_attentions, i))
+                          cross=layer(out.cross_attentions, i), predicted_tokens=predicted_tokens)
             for i in range(num_layers)]
 
 
@@ -200,107 +217,93 @@ def output_tokens(tokenizer, hypothesis: Hypothesis) -> list[str]:
 def source_highlight(maps: AttentionMaps, target_index: int, head: int | None = None) -> list[tuple[str, float]]:
     """The source tokens with the encoder-decoder attention of the state that chose output token `target_index`
     (row `target_index` of `maps.cross`), of one `head` (0-based) or the mean of all heads (`None`), scaled so the
-    largest weight is 1; for `gr.HighlightedText`. Subword marks "▁" become spaces."""
+    largest weight is 1; for `gr.HighlightedText`. Tokens as the pictures show them ("▁" starts a word)."""
     if maps.cross.numel() == 0:
-        return [(token.replace("▁", " "), 0.0) for token in maps.source_tokens]
+        return unshaded(maps)
     rows = maps.cross[:, target_index] if head is None else maps.cross[head, target_index][None]
     weights = rows.mean(0)
     weights = weights / weights.max().clamp_min(1e-9)
-    return [(token.replace("▁", " "), round(float(w), 4)) for token, w in zip(maps.source_tokens, weights)]
+    return [(token, round(float(w), 4)) for token, w in zip(maps.source_tokens, weights)]
 
 
-def _image(draw) -> object:
-    """A PIL image of what `draw(path)` writes as a PNG (a temporary file, removed)."""
+def unshaded(maps: AttentionMaps) -> list[tuple[str, float]]:
+    """The source tokens without shading (weight 0 each): what the page shows until a target token is chosen."""
+    return [(token, 0.0) for token in maps.source_tokens]
+
+
+def training_data_note(model_dir: str | os.PathLike | None) -> str:
+    """A line for the page on what the model in `model_dir` was trained on and what follows from it: read from the
+    run's `metrics.json` (`dataset`), else from the model card's `datasets:` (README.md); says so when neither
+    tells."""
+    dataset = None
+    if model_dir and os.path.isdir(model_dir):
+        try:
+            with open(os.path.join(model_dir, "metrics.json"), encoding="utf-8") as handle:
+                metrics = json.load(handle)
+            dataset = metrics.get("dataset") if isinstance(metrics, dict) else None
+        except (OSError, ValueError):
+            pass
+        if dataset is None:
+            try:
+                with open(os.path.join(model_dir, "README.md"), encoding="utf-8") as handle:
+                    card = handle.read()
+            except OSError:
+                card = ""
+            if card.startswith("---\n") and "\n---" in card[4:]:
+                header = card[4:card.index("\n---", 4)].splitlines()
+                if "datasets:" in header:
+                    items = header[header.index("datasets:") + 1:]
+                    names = [line.strip()[2:].strip() for line in items if line.strip().startswith("- ")]
+                    dataset = names[0] if names else None
+    if dataset is None:
+        return ("What this model was trained on is not recorded in its folder (no metrics.json or model card): "
+                "expect good translations only of text like its training data.")
+    if "multi30k" in str(dataset).lower():
+        return MULTI30K_NOTE
+    return (f"This model was trained on {dataset}. Expect good translations only of text like that data; its model "
+            "card says more.")
+
+
+def figure_image(figure, dpi: int = PAGE_DPI):
+    """A matplotlib `Figure` rendered to an RGB PIL image at `dpi` (Agg, in memory; no PNG round trip, no cropping)."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from PIL import Image
 
-    with tempfile.TemporaryDirectory(prefix="vaswani-demo-") as folder:
-        path = os.path.join(folder, "figure.png")
-        draw(path)
-        with Image.open(path) as image:
-            image.load()
-            return image.copy()
+    figure.set_dpi(dpi)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    return Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3].copy())
 
 
-def draw_heads(maps: AttentionMaps, kind: str, cell: int = 160, gap: int = 6):
-    """Every head of one kind of attention of `maps` at a glance, as a PIL image: the heads' heatmaps left to right
-    (viridis, one colour scale for all heads from 0 to the largest weight), each scaled up by a whole factor to about
-    `cell` pixels on its longer side, `gap` white pixels apart; no labels (the enlarged head, `draw_head`, has the
-    tokens on its axes). Pixels only, no figure: a few milliseconds where `attention.plot_attention` takes
-    seconds for long sentences.
+def draw_heads(maps: AttentionMaps, kind: str, heads_per_row: int = 4):
+    """Every head of one kind of attention of `maps` as a PIL image: `attention.attention_figure` (head numbers, token
+    ticks, axis names, colour bar), the figure `vaswani-plot attention` writes, at the page's resolution.
 
     Returns:
-        an RGB image `rows * s` high and `H * cols * s + (H - 1) * gap` wide, `s = max(1, cell // max(rows, cols))`;
-        `None` where the stack of that kind has no such layer.
+        an RGB image; `None` where the stack of that kind has no such layer.
     """
-    import numpy as np
-    from matplotlib import colormaps
-    from PIL import Image
-
-    weights = maps[kind]
-    if weights.numel() == 0:
+    if maps[kind].numel() == 0:
         return None
-    heads, rows, cols = weights.shape
-    scale = max(1, cell // max(rows, cols))
-    values = (weights / weights.max().clamp_min(1e-6)).numpy()
-    colours = (colormaps["viridis"](values)[..., :3] * 255).astype(np.uint8)  # (H, rows, cols, 3)
-    colours = colours.repeat(scale, axis=1).repeat(scale, axis=2)
-    canvas = np.full((rows * scale, heads * cols * scale + (heads - 1) * gap, 3), 255, dtype=np.uint8)
-    for h in range(heads):
-        left = h * (cols * scale + gap)
-        canvas[:, left:left + cols * scale] = colours[h]
-    return Image.fromarray(canvas)
+    figure = attention_figure(maps, kind, heads_per_row=heads_per_row)
+    return figure_image(figure)
 
 
 def draw_head(maps: AttentionMaps, kind: str, head: int):
-    """One head (0-based) of one kind of attention, enlarged, with the tokens on the axes and the weights' colour
-    bar, as a PIL image; `None` where there is no such layer.
+    """One head (0-based) of one kind of attention, enlarged, as a PIL image (`attention.attention_figure` of that
+    head); `None` where there is no such layer.
 
     Raises:
         IndexError: no head `head`.
     """
-    weights = maps[kind]
-    if weights.numel() == 0:
+    if maps[kind].numel() == 0:
         return None
-    if not 0 <= head < weights.shape[0]:
-        raise IndexError(f"head {head + 1} does not exist: the model has {weights.shape[0]} heads.")
-    rows, cols = maps.axes(kind)
-    figure = new_figure(figsize=(max(4.0, 0.3 * len(cols) + 2.0), max(3.5, 0.3 * len(rows) + 1.5)),
-                        layout="constrained")
-    ax = figure.subplots()
-    image = ax.imshow(weights[head].numpy(), vmin=0.0, cmap="viridis", aspect="auto", interpolation="nearest")
-    ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=9)
-    ax.set_yticks(range(len(rows)), rows, fontsize=9)
-    ax.set_xlabel("keys")
-    ax.set_ylabel("queries")
-    ax.set_title(f"{KIND_TITLES[kind]}, layer {maps.layer + 1}, head {head + 1}", fontsize=11)
-    figure.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
-    return _image(lambda path: save_figure(figure, path, dpi=PAGE_DPI))
+    figure = attention_figure(maps, kind, heads=[head])
+    return figure_image(figure)
 
 
-def draw_positional_encoding(model, tokens: list[str], curves: tuple[int, ...] | None = None):
-    """The positional encoding the encoder adds to each of `tokens` (§3.5; learned positions for a model with
-    `position_embedding_type="learned"`): a heatmap of positions x dimensions and the curves of a few dimensions
-    (`curves`; default the sines of dimensions 0, d/32, d/16 and d/8, whose wavelengths grow geometrically), as a PIL
-    image."""
-    positions = model.get_encoder().embed_positions
-    if hasattr(positions, "reserve"):
-        positions.reserve(len(tokens))
-    with torch.no_grad():
-        table = positions(torch.arange(len(tokens), device=positions.weight.device)).float().cpu().numpy()
-    d_model = table.shape[1]
-    curves = curves if curves is not None else sorted({2 * (d_model // (2 * n)) for n in (32, 16, 8)} | {0})
-    figure = new_figure(figsize=(9.0, max(3.0, 0.18 * len(tokens) + 1.5)), layout="constrained")
-    heat, lines = figure.subplots(1, 2, width_ratios=[3, 2])
-    image = heat.imshow(table, cmap="RdBu_r", vmin=-1.0, vmax=1.0, aspect="auto", interpolation="nearest")
-    heat.set_yticks(range(len(tokens)), [f"{i} {t}" for i, t in enumerate(tokens)], fontsize=7)
-    heat.set_xlabel("dimension")
-    heat.set_title(f"positional encoding (§3.5), {len(tokens)} positions x d_model {table.shape[1]}", fontsize=10)
-    figure.colorbar(image, ax=heat, shrink=0.8)
-    for dim in curves:
-        if dim < table.shape[1]:
-            lines.plot(range(len(tokens)), table[:, dim], label=f"dim {dim}")
-    lines.set_xlabel("position")
-    lines.legend(fontsize=8)
-    lines.set_title("a few dimensions", fontsize=10)
-    return _image(lambda path: save_figure(figure, path, dpi=PAGE_DPI))
-
+def draw_positional_encoding(model, tokens: list[str]):
+    """The positional encoding the encoder adds at each of `tokens`' positions (§3.5), as a PIL image:
+    `positions.positional_encoding_figure`, the figure `vaswani-plot positions` writes."""
+    figure = positional_encoding_figure(model, tokens)
+    return figure_image(figure)
