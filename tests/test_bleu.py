@@ -41,7 +41,7 @@ def test_references_against_themselves_is_100(test_refs):
     # raw references through lowercase+Moses normalize+tokenize reproduce the official tok/ files exactly
     assert out["tok_bleu"] == pytest.approx(100.0)
     assert out["signature"] == f"nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:{sacrebleu.__version__}"
-    assert out["tok_signature"].startswith("lc+moses-norm+moses-tok(en)|multi-bleu|nrefs:1|")
+    assert out["tok_signature"].startswith("lc+moses-norm+moses-tok(en)|multi-bleu|nrefs:1|case:lc|")
     assert out["paper_bleu"] == pytest.approx(100.0)
     assert out["paper_signature"] == (f"moses-tok(en)|multi-bleu|nrefs:1|case:mixed|eff:no|tok:none|smooth:none|"
                                       f"version:{sacrebleu.__version__}")

@@ -100,7 +100,11 @@ def test_evaluate_never_replaces_the_runs_metrics(tiny_run, tmp_path):
     exits_with(lambda: evaluate_main(["--model", str(source), "--output", str(kept), "--max_test_samples", "2"]),
                r"holds a training run's metrics \(\d+ fields, train_steps 3\)")
     assert metrics.read_bytes() == before == kept.read_bytes()
+    files = sorted(path.name for path in source.iterdir())
     assert evaluate_main(["--model", str(source), "--max_test_samples", "2"]) == 0
+    assert sorted(path.name for path in source.iterdir()) == files, "without --output nothing is written"
+    assert evaluate_main(["--model", str(source), "--max_test_samples", "2", "--output",
+                          str(source / "test_metrics.json")]) == 0
     scores = json.loads((source / "test_metrics.json").read_text())
     assert scores["weights_sha256"] == json.loads(before)["weights_sha256"], "the same weights, the same fingerprint"
 

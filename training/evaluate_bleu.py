@@ -4,9 +4,10 @@ Multi30k, lowercased tokenized BLEU.
     vaswani-evaluate --model outputs/multi30k-de-en                  # Multi30k test2016, beam 4, lp 0.6
     vaswani-evaluate --model DIR --test_file data/test --source_lang de --target_lang en --output scores.json
 
-The metrics JSON records the fingerprint of the weights it scored (`weights_sha256`), so that `vaswani-publish
---metrics` never pairs it with other weights. It never replaces another file of the model folder (a training run's
-metrics.json) nor another run's metrics.
+It prints the scores; `--output FILE` also writes them as JSON (nothing is written into the model folder unless
+`--output` names a file there, such as `DIR/test_metrics.json`). The metrics JSON records the fingerprint of the
+weights it scored (`weights_sha256`), so that `vaswani-publish --metrics` never pairs it with other weights. It never
+replaces another file of the model folder (a training run's metrics.json) nor another run's metrics.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def check_not_run_metrics(output: Path, model_dir: Path) -> None:
     inside = output.resolve().parent == model_dir.resolve()
     if inside and output.name != "test_metrics.json":
         raise CheckError(f"--output {output} is a file of the model folder {model_dir}; writing the scores there would "
-                         f"replace it (the run's own metrics). Leave --output out (scores go to "
-                         f"{model_dir / 'test_metrics.json'}) or choose a new file.")
+                         f"replace it (the run's own metrics). Write to {model_dir / 'test_metrics.json'} or to a "
+                         f"new file.")
     try:
         held = json.loads(output.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--max_test_samples", type=int, default=None)
     parser.add_argument("--output", default=None,
-                        help="Write the metrics JSON here (default: <model>/test_metrics.json).")
+                        help="Also write the metrics JSON here, e.g. <model>/test_metrics.json (default: print only).")
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
 
@@ -146,12 +147,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name} must be >= 1, got {value}.")
     if not math.isfinite(args.length_penalty):
         raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
-    output = Path(args.output) if args.output else Path(args.model) / "test_metrics.json"
+    output = Path(args.output) if args.output else None
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer; a writable --output
         check_model_folder(args.model)
         device = check_device(args.device)
-        check_output_file(output, flag="--output")
-        check_not_run_metrics(output, Path(args.model))
+        if output is not None:
+            check_output_file(output, flag="--output")
+            check_not_run_metrics(output, Path(args.model))
     except CheckError as error:
         raise SystemExit(str(error)) from None
     data_args = DataArguments(source_lang=args.source_lang, target_lang=args.target_lang, test_file=args.test_file)
@@ -173,9 +175,13 @@ def main(argv: list[str] | None = None) -> int:
                                is_multi30k=args.test_file is None,
                                length_penalty_style=args.length_penalty_style)
     result["metrics"]["weights_sha256"] = weights_fingerprint(args.model)
-    write_json_atomic(output, result["metrics"])
     for key, value in result["metrics"].items():
         print(f"{key}: {value}")
+    if output is not None:
+        write_json_atomic(output, result["metrics"])
+        print(f"Scores written to {output}")
+    else:
+        print(f"Scores not written: --output FILE keeps them (e.g. --output {Path(args.model) / 'test_metrics.json'}).")
     return 0
 
 

@@ -277,5 +277,7 @@ def compute_bleu(
             metric = sacrebleu.BLEU(tokenize="13a", lowercase=True, smooth_method="none", force=True)
             res = metric.corpus_score(hyps, streams)
             prefix = "approx:unescaped-refs+13a-lc"
-        out.update(tok_bleu=res.score, tok_signature=f"{prefix}|{metric.get_signature()}")
+        # lowercased before sacreBLEU sees the text: its signature's "case:mixed" would misname the comparison
+        signature = str(metric.get_signature()).replace("case:mixed", "case:lc")
+        out.update(tok_bleu=res.score, tok_signature=f"{prefix}|{signature}")
     return out
