@@ -96,6 +96,10 @@ class RecipeArguments:
                 "Default: the preset's (cpu: 26; 18 on a CPU with native bf16 unless --cpu_bf16 no), unless "
                 "--max_steps is given."})
     num_samples: int = field(default=5, metadata={"help": "Sample translations printed at the end."})
+    skip_test: bool = field(default=False, metadata={
+        "help": "End without translating the test split, and leave the time budget no time for it: for runs whose "
+                "choices are made on the validation set (vaswani-ablate). Score the model later with "
+                "vaswani-evaluate."})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Start a new run in an --output_dir that holds an earlier run: its checkpoint-<step> folders are "
                 "removed, its model and metrics replaced. Without it such a folder is refused."})

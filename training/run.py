@@ -297,8 +297,9 @@ def check_positions(config, data_args: DataArguments, *, generation_max_length: 
 
 
 def count_test_sentences(run: Run, raw) -> int:
-    """Sentences the final test translation decodes: the test split, at most --max_test_samples; 0 without one."""
-    if "test" not in raw:
+    """Sentences the final test translation decodes: the test split, at most --max_test_samples; 0 without one or
+    with --skip_test."""
+    if "test" not in raw or run.recipe.skip_test:
         return 0
     limit = run.data_args.max_test_samples
     return len(raw["test"]) if limit is None else min(len(raw["test"]), limit)
@@ -392,6 +393,8 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
         metrics["stopped_by"] = stopped_by
         logger.warning("Stopped by %s: the test set is not translated. Score the model with vaswani-evaluate "
                        "--model %s.", stopped_by, output_dir)
+    elif run.recipe.skip_test:
+        metrics["test"] = "not translated (--skip_test)"
     elif "test" in raw:
         test = select(raw["test"], data_args.max_test_samples)
         result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=batch_size, num_beams=num_beams,
@@ -405,8 +408,10 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     metrics["weights_sha256"] = weights_fingerprint(output_dir)
     metrics["command_minutes"] = round((time.monotonic() - process_start_monotonic()) / 60, 2)
     write_json_atomic(output_dir / "metrics.json", metrics)
-    print(f"Test BLEU (sacreBLEU, detokenized): {metrics.get('test_bleu')}   "
-          f"{metrics.get('test_bleu_signature', '')}")
+    if "test_bleu" in metrics:
+        print(f"Test BLEU (sacreBLEU, detokenized): {metrics['test_bleu']}   {metrics['test_bleu_signature']}")
+    elif run.recipe.skip_test:
+        print(f"The test split was not translated (--skip_test): vaswani-evaluate --model {output_dir} scores it.")
     if "test_paper_bleu" in metrics:
         print(f"Test BLEU (the paper's Table 2 form: cased, Moses-tokenized, get_ende_bleu.sh): "
               f"{metrics['test_paper_bleu']}   {metrics['test_paper_bleu_signature']}")
