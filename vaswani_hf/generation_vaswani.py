@@ -16,6 +16,8 @@ model code (relative imports) for `trust_remote_code=True`.
 import contextvars
 import copy
 import functools
+import inspect
+import math
 import warnings
 
 import torch
@@ -148,8 +150,11 @@ class VaswaniSelfAttentionCacheLayer(DynamicLayer):
             self._set_views()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.length:
-            self._replace(self._buffer.repeat_interleave(repeats, dim=0))
+        if self.length:  # the filled positions only: the buffer's capacity is mostly not written yet
+            old = self._buffer
+            buffer = old.new_empty(old.shape[0] * repeats, *old.shape[1:])
+            buffer[:, :, :, : self.length] = old[:, :, :, : self.length].repeat_interleave(repeats, dim=0)
+            self._replace(buffer)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.length:
@@ -229,8 +234,8 @@ class FinishedSentenceSkipping(LogitsProcessor):
         if self.step == "first":
             return scores.repeat_interleave(self.beams, dim=0)
         if self.step == "open":
-            unused = scores.new_zeros(1, scores.shape[1]).log_softmax(-1)  # those of all-zero logits
-            full = unused.expand(self.batch * self.beams, -1).clone()
+            # finished rows read those of all-zero logits, -log V everywhere (never used: the sentence is done)
+            full = scores.new_full((self.batch * self.beams, scores.shape[1]), -math.log(scores.shape[1]))
             return full.index_copy_(0, self.rows, scores)
         return scores
 
@@ -277,6 +282,10 @@ class FinishedSentenceSkipping(LogitsProcessor):
             self._encoder = None
         self.sentences, self.rows = open_now, new_rows
         return True
+
+
+# transformers' LogitsProcessorList inspects each processor's signature at every step; a stored one is read at once
+FinishedSentenceSkipping.__call__.__signature__ = inspect.signature(FinishedSentenceSkipping.__call__)
 
 
 # The beam search running in this context, if it leaves finished sentences out: per call, never on the model, so that
