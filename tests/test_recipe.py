@@ -176,6 +176,7 @@ def test_the_documented_training_ran_on_two_processes_from_the_synthetic_wmt14_f
     assert metrics["data"] == {"kind": "hub", "name": str(recipe["data"]), "config": None}
     assert (metrics["source_lang"], metrics["target_lang"]) == ("en", "de")
     assert metrics["test_sentences"] == 20 and math.isfinite(metrics["test_paper_bleu"])
+    assert metrics["length_penalty_style"] == "gnmt"  # the run's own test BLEU is decoded as §6.1
     assert "--bf16" in recipe["train"] and metrics["mixed_precision"] == "bf16"
 
 

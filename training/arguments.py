@@ -96,6 +96,10 @@ class RecipeArguments:
                 "Default: the preset's (cpu: 26; 18 on a CPU with native bf16 unless --cpu_bf16 no), unless "
                 "--max_steps is given."})
     num_samples: int = field(default=5, metadata={"help": "Sample translations printed at the end."})
+    length_penalty_style: str = field(default="hf", metadata={
+        "help": "How the final test translation applies the length penalty 0.6: hf (transformers' generate(), the "
+                "score over |Y|^0.6) or gnmt (the paper's ((5 + |Y|) / 6)^0.6 and at most input length + 50 tokens, "
+                "§6.1), so that metrics.json's test_paper_bleu is the number to set beside the paper's Table 2."})
     skip_test: bool = field(default=False, metadata={
         "help": "End without translating the test split, and leave the time budget no time for it: for runs whose "
                 "choices are made on the validation set (vaswani-ablate). Score the model later with "

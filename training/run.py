@@ -243,6 +243,9 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
         CheckError: naming the flag and what to do.
     """
     check_streaming(run, layout)
+    if run.recipe.length_penalty_style not in ("hf", "gnmt"):
+        raise CheckError(f"--length_penalty_style must be hf (transformers' generate()) or gnmt (the paper's, §6.1), "
+                         f"got {run.recipe.length_penalty_style!r}.")
     limit = check_average_last(run.recipe.average_last, save_total_limit=save_total_limit,
                                save_total_limit_given=save_total_limit_given, saving=saving,
                                max_steps=run.plan.max_steps, save_steps=save_steps, resuming=run.plan.resuming)
@@ -398,7 +401,8 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     elif "test" in raw:
         test = select(raw["test"], data_args.max_test_samples)
         result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=batch_size, num_beams=num_beams,
-                                   is_multi30k=is_multi30k(data_args))
+                                   is_multi30k=is_multi30k(data_args),
+                                   length_penalty_style=run.recipe.length_penalty_style)
         metrics.update(result["metrics"])
         write_lines_atomic(output_dir / "test_translations.txt", result["hypotheses"])
         print("\nSample translations (test set):")
