@@ -112,6 +112,9 @@ WRITE_CALLS = {"write_text", "write_bytes", "savefig", "save_file", "dump", "wri
                "save_model", "save_state", "to_csv", "to_json", "copyfile", "copy2", "copytree"}
 # (file, enclosing function, call) -> why the write cannot leave a half-written output under its final name.
 CHECKED_WRITES = {
+    ("training/ablate.py", "main", "write_text"): "into replace_file_atomically's temporary file",
+    ("training/ablate.py", "run_row", "open"): "the row's training log, streamed while it runs; the row's result, "
+                                               "table3_row.json, is written atomically after it",
     ("training/output_dir.py", "_write_atomic.write_text", "open"): "into replace_file_atomically's temporary file",
     ("training/output_dir.py", "write_json_atomic.write", "dump"): "the atomic helper",
     ("training/output_dir.py", "write_lines_atomic", "writelines"): "the atomic helper",

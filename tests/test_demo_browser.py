@@ -1,6 +1,8 @@
 """The `vaswani-demo` page in a real browser: headless Chromium (Debian's `chromium` package, never a downloaded one)
 driven by Playwright types a sentence, submits, reads the translation and checks that every heatmap arrived as the
-image the page computed; then the bad inputs each get their message, and two users at once are both served.
+image the page computed (the figures whose head numbers, token ticks and colour scale tests/test_pictures.py reads),
+that the page says how to read them and what the model was trained on, and that no source token is shaded before a
+target token is chosen; then the bad inputs each get their message, and two users at once are both served.
 
 Needs `pip install -e '.[demo]'` and `apt-get install chromium` (VASWANI_CHROMIUM names another binary). The page serves
 the tiny test model; VASWANI_DEMO_MODEL=DIR serves a trained model folder instead, VASWANI_DEMO_TIMING=FILE writes how
@@ -154,6 +156,7 @@ def test_translate_and_see_the_attention(page, served):
         model, tokenizer.convert_ids_to_tokens(expected.source_ids)).size
 
     # the page says how to read the pictures and what the model was trained on
+    expect(page.locator("#reading_the_pictures")).to_contain_text("a heatmap per head (numbered)")
     expect(page.locator("#reading_the_pictures")).to_contain_text("predicts")
     expect(page.locator("#reading_the_pictures")).to_contain_text("▁")
     expect(page.locator("#training_data")).to_contain_text(core.training_data_note(model.name_or_path)[:40])

@@ -168,7 +168,8 @@ def table_markdown(rows: list[dict]) -> str:
              "paper's row | its PPL (dev) | its BLEU (dev) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         paper, ppl, bleu = PAPER_ROWS[row["row"]]
-        lines.append(f"| {row['group']} {row['row']} | {row['change']} | {row['parameters']:,} | "
+        label = row["row"] if row["group"] == "base" else f"({row['group']}) {row['row']}"
+        lines.append(f"| {label} | {row['change']} | {row['parameters']:,} | "
                      f"{row['train_steps']:,} | {row['validation_ppl']:.2f} | {row['validation_bleu']:.2f} | "
                      f"{row['validation_length_ratio']:.3f} | {paper} | {ppl} | {bleu} |")
     lines.append("")
