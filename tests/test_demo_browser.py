@@ -40,6 +40,9 @@ if not REQUIRED:
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
+# An answer carries its five drawn figures: a loaded machine needs more than Playwright's default 5 s for it
+expect.set_options(timeout=TIMEOUT_MS)
+
 from vaswani_hf.pictures import demo as core  # noqa: E402
 from vaswani_training.demo import build_demo, launch, load_model  # noqa: E402
 
