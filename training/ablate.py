@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -145,7 +144,7 @@ def run_row(name: str, output_dir: Path, minutes: float, extra: list[str], max_s
     log = output_dir / f"{name}.log"
     started = time.monotonic()
     with open(log, "w", encoding="utf-8") as handle:
-        status = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env={**os.environ}).returncode
+        status = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT).returncode
     if status != 0:
         raise RuntimeError(f"row {name}: vaswani-train exited with status {status}; see {log}.")
     seconds = time.monotonic() - started
