@@ -318,6 +318,10 @@ def test_the_page_says_what_the_model_was_trained_on(tmp_path):
     assert core.training_data_note(published).startswith("This model was trained on wmt/wmt14.")
     (published / "metrics.json").write_text("not json")  # a damaged record: the card still tells
     assert core.training_data_note(published).startswith("This model was trained on wmt/wmt14.")
+    (published / "README.md").write_text("---\ndatasets: [bentrevett/multi30k]\n---\n# x\n")  # inline list
+    assert core.training_data_note(published) == core.MULTI30K_NOTE
+    (published / "README.md").write_text("---\ndatasets: [unclosed\n---\n# x\n")  # not YAML: not recorded
+    assert core.training_data_note(published).startswith("What this model was trained on is not recorded")
     assert core.training_data_note(tmp_path).startswith("What this model was trained on is not recorded")
     assert core.training_data_note(None).startswith("What this model was trained on is not recorded")
 

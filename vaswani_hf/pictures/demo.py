@@ -10,9 +10,10 @@ comes with matplotlib), drawn with the Agg backend.
 Every picture is drawn by the code `vaswani-plot` draws with (`attention.attention_figure`,
 `positions.positional_encoding_figure`), at a screen's resolution.
 
-Imports only torch, matplotlib, Pillow and four modules of vaswani_hf (relatively): `checks.py`,
-`decoding/translate.py`, `pictures/attention.py` and `pictures/positions.py`, so `vaswani-publish --space` ships this
-file with those four, in the same folders, into a Space folder that has no vaswani_hf installed.
+Imports only torch, matplotlib, Pillow, huggingface_hub (the model card's metadata) and four modules of vaswani_hf
+(relatively): `checks.py`, `decoding/translate.py`, `pictures/attention.py` and `pictures/positions.py`, so
+`vaswani-publish --space` ships this file with those four, in the same folders, into a Space folder that has no
+vaswani_hf installed.
 """
 
 from __future__ import annotations
@@ -243,18 +244,16 @@ def training_data_note(model_dir: str | os.PathLike | None) -> str:
             dataset = metrics.get("dataset") if isinstance(metrics, dict) else None
         except (OSError, ValueError):
             pass
-        if dataset is None:
+        card = os.path.join(model_dir, "README.md")
+        if dataset is None and os.path.isfile(card):
+            import yaml
+            from huggingface_hub import metadata_load  # a dependency of transformers: in a Space as well
+
             try:
-                with open(os.path.join(model_dir, "README.md"), encoding="utf-8") as handle:
-                    card = handle.read()
-            except OSError:
-                card = ""
-            if card.startswith("---\n") and "\n---" in card[4:]:
-                header = card[4:card.index("\n---", 4)].splitlines()
-                if "datasets:" in header:
-                    items = header[header.index("datasets:") + 1:]
-                    names = [line.strip()[2:].strip() for line in items if line.strip().startswith("- ")]
-                    dataset = names[0] if names else None
+                datasets = (metadata_load(card) or {}).get("datasets")
+            except (OSError, ValueError, yaml.YAMLError):  # a header that is not YAML
+                datasets = None
+            dataset = datasets[0] if isinstance(datasets, list) and datasets else datasets or None
     if dataset is None:
         return ("What this model was trained on is not recorded in its folder (no metrics.json or model card): "
                 "expect good translations only of text like its training data.")
