@@ -147,19 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_folder(path: str) -> Path:
+    """`--model_dir`, checked: a saved model folder whose config, JSON files, weights and tokenizer fit together."""
+    from vaswani_hf.checks import check_model_folder
+
+    model_dir = Path(path)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
+    check_model_folder(model_dir)
+    return model_dir
+
+
 def _attention(args) -> list[Path]:
     from transformers import AutoTokenizer
 
     from vaswani_hf import VaswaniForConditionalGeneration
-    from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs
+    from vaswani_hf.checks import check_output_dir, check_output_not_in_inputs
     from vaswani_hf.pictures.attention import attention_maps, plot_all_attention
 
-    model_dir = Path(args.model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
     if args.num_beams < 1:
         raise ValueError(f"--num_beams must be >= 1, got {args.num_beams}.")
-    check_model_folder(model_dir)  # config, every JSON file, weights, tokenizer of the model's size
+    model_dir = _model_folder(args.model_dir)
     check_output_not_in_inputs(args.output_dir, [model_dir], allow_inside=True)  # plots beside the model are fine
     check_output_dir(args.output_dir)
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
@@ -176,18 +184,14 @@ def _positions(args) -> Path:
     from transformers import AutoTokenizer
 
     from vaswani_hf import VaswaniForConditionalGeneration
-    from vaswani_hf.checks import check_model_folder
     from vaswani_hf.pictures.attention import save_figure
     from vaswani_hf.pictures.positions import positional_encoding_figure
 
-    model_dir = Path(args.model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
     if args.positions is not None and not 1 <= args.positions <= 1000:
         raise ValueError(f"--positions must be between 1 and 1000, got {args.positions}.")
     if args.source is not None and not args.source.strip():
         raise ValueError("--source is empty: give a sentence, or --positions N.")
-    check_model_folder(model_dir)
+    model_dir = _model_folder(args.model_dir)
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
     if args.source is not None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
