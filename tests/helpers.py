@@ -222,6 +222,7 @@ def exits_with(call, *patterns) -> str:
 
 # A short quiet run of the tiny preset on 120 Multi30k pairs: no evaluation, samples or bf16.
 TINY_RUN = ("--preset", "tiny", "--max_train_samples", "120", "--max_test_samples", "2", "--eval_strategy", "no",
+            "--length_penalty", "0.6",
             "--num_samples", "0", "--cpu_bf16", "no", "--disable_tqdm", "true", "--report_to", "none")
 
 

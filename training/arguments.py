@@ -81,8 +81,10 @@ class RecipeArguments:
 
     lr_factor: float | None = field(default=None, metadata={
         "help": "lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (§5.3). Default: the preset's."})
-    average_last: int = field(default=0, metadata={
-        "help": "At the end, average the last N checkpoints (§6.1: 5 for base, 20 for big) into the output model."})
+    average_last: int | None = field(default=None, metadata={
+        "help": "At the end, average the last N checkpoints (§6.1: 5 for base, 20 for big) into the output model; 0: "
+                "none. Default: where the preset plans a cooldown (cpu, gpu), N is chosen on the validation set among "
+                "the checkpoints saved over the cooldown (1: the last alone); otherwise none."})
     max_train_minutes: float | None = field(default=None, metadata={
         "help": "Stop training after this many minutes (checkpoint saved), then evaluate as usual."})
     save_every_minutes: float | None = field(default=None, metadata={
@@ -96,10 +98,15 @@ class RecipeArguments:
                 "Default: the preset's (cpu: 26; 18 on a CPU with native bf16 unless --cpu_bf16 no), unless "
                 "--max_steps is given."})
     num_samples: int = field(default=5, metadata={"help": "Sample translations printed at the end."})
-    length_penalty_style: str = field(default="hf", metadata={
-        "help": "How the final test translation applies the length penalty 0.6: hf (transformers' generate(), the "
-                "score over |Y|^0.6) or gnmt (the paper's ((5 + |Y|) / 6)^0.6 and at most input length + 50 tokens, "
-                "§6.1), so that metrics.json's test_paper_bleu is the number to set beside the paper's Table 2."})
+    length_penalty: float | None = field(default=None, metadata={
+        "help": "The length penalty alpha of the final translations (§6.1; the paper's 0.6), written into the model's "
+                "generation_config.json. Default: chosen on the validation set at the end of the run (§6.1: "
+                "\"chosen after experimentation on the development set\"), among 0.6 to 2.5 in both forms of "
+                "--length_penalty_style."})
+    length_penalty_style: str | None = field(default=None, metadata={
+        "help": "How the length penalty divides a hypothesis' log-probability: hf (transformers' generate(): "
+                "|Y|^alpha) or gnmt (the paper's ((5 + |Y|) / 6)^alpha, §6.1). Default: chosen on validation with "
+                "the alpha; hf where --length_penalty is given alone."})
     skip_test: bool = field(default=False, metadata={
         "help": "End without translating the test split, and leave the time budget no time for it: for runs whose "
                 "choices are made on the validation set (vaswani-ablate). Score the model later with "
@@ -119,6 +126,16 @@ class RecipeArguments:
         # Refused when the flags are parsed; 0 is not "the preset's" (leave the flag out for that).
         if self.cpu_bf16 not in ("auto", "yes", "no"):
             raise CheckError(f"--cpu_bf16 must be auto, yes or no, got {self.cpu_bf16!r}.")
+        if self.length_penalty_style not in (None, "hf", "gnmt"):
+            raise CheckError(f"--length_penalty_style must be hf (transformers' generate(): |Y|^alpha) or gnmt (the "
+                             f"paper's, §6.1: ((5 + |Y|) / 6)^alpha), got {self.length_penalty_style!r}.")
+        if self.length_penalty is not None and (isinstance(self.length_penalty, bool)
+                                                or not math.isfinite(self.length_penalty) or self.length_penalty < 0):
+            raise CheckError(f"--length_penalty must be a number >= 0 (the paper's 0.6; leave the flag out to choose "
+                             f"it on the validation set), got {self.length_penalty}.")
+        if self.average_last is not None and self.average_last < 0:
+            raise CheckError(f"--average_last must be >= 0 (0: no averaging; leave the flag out to choose it on the "
+                             f"validation set), got {self.average_last}.")
         for name in ("lr_factor", "max_train_minutes", "save_every_minutes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not math.isfinite(value) or value <= 0):

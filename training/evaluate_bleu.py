@@ -29,14 +29,16 @@ from .arguments import DataArguments
 
 
 def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, *, batch_size: int = 64,
-                      num_beams: int = 4, length_penalty: float = 0.6, is_multi30k: bool = True,
-                      length_penalty_style: str = "hf") -> dict[str, Any]:
-    """Translate the test split (beam 4, length penalty 0.6 by default) and score it with detokenized sacreBLEU, the
-    paper's cased tokenized BLEU (`vaswani_hf.bleu.paper_bleu`: Moses-tokenized, German compounds split, §6.1 Table
-    2) and, on the shipped Multi30k, lowercased tokenized BLEU against the official `tok/` references.
+                      num_beams: int | None = None, length_penalty: float | None = None, is_multi30k: bool = True,
+                      length_penalty_style: str | None = None) -> dict[str, Any]:
+    """Translate the test split and score it with detokenized sacreBLEU, the paper's cased tokenized BLEU
+    (`vaswani_hf.bleu.paper_bleu`: Moses-tokenized, German compounds split, §6.1 Table 2) and, on the shipped
+    Multi30k, lowercased tokenized BLEU against the official `tok/` references.
 
-    `length_penalty_style`: "hf" (`model.generate`: score / |Y|^alpha) or "gnmt" (the paper's
-    ((5 + |Y|) / 6)^alpha and at most input length + 50 tokens, `vaswani_hf.decoding.paper_generate`).
+    `num_beams`, `length_penalty`, `length_penalty_style` default to the model's generation config (what a training
+    run chose on validation; beam 4, 0.6, "hf" where it says nothing). `length_penalty_style`: "hf"
+    (`model.generate`: score / |Y|^alpha) or "gnmt" (the paper's ((5 + |Y|) / 6)^alpha and at most input length + 50
+    tokens, `vaswani_hf.decoding.paper_generate`).
 
     Returns:
         `{"metrics": {...}, "hypotheses": [...], "sources": [...], "references": [...]}`; the metrics are
@@ -51,6 +53,11 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
     from vaswani_hf.data import multi30k_file, read_lines
     from vaswani_hf.decoding.translate import translate_sentences
 
+    generation = model.generation_config
+    num_beams = num_beams or generation.num_beams or 4
+    length_penalty = length_penalty if length_penalty is not None else (
+        generation.length_penalty if generation.length_penalty is not None else 0.6)
+    length_penalty_style = length_penalty_style or getattr(generation, "length_penalty_style", None) or "hf"
     sources = [t[data_args.source_lang] for t in test_dataset["translation"]]
     references = [t[data_args.target_lang] for t in test_dataset["translation"]]
     start = time.perf_counter()
@@ -63,7 +70,9 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
     elif length_penalty_style != "hf":
         raise CheckError(f"length_penalty_style must be 'hf' or 'gnmt', got {length_penalty_style!r}.")
     hypotheses = translate_sentences(model, tokenizer, sources, batch_size=batch_size, num_beams=num_beams,
-                                     length_penalty=length_penalty, generate_fn=generate_fn)
+                                     length_penalty=length_penalty, generate_fn=generate_fn,
+                                     **({"length_penalty_style": "hf"} if generate_fn is None and getattr(
+                                         generation, "length_penalty_style", None) == "gnmt" else {}))
     seconds = time.perf_counter() - start
     tok_refs = None
     if is_multi30k and data_args.target_lang in ("de", "en"):
@@ -73,6 +82,7 @@ def evaluate_test_set(model, tokenizer, test_dataset, data_args: DataArguments, 
     metrics = {
         "test_bleu": round(scores["bleu"], 2),
         "test_bleu_signature": scores["signature"],
+        "test_length_ratio": round(scores["sys_len"] / scores["ref_len"], 3) if scores["ref_len"] else None,
         "test_paper_bleu": round(scores["paper_bleu"], 2),
         "test_paper_bleu_signature": scores["paper_signature"],
         "test_sentences": len(sources),
@@ -119,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="Parallel files PREFIX.{src,tgt}[.gz] or a .jsonl file (default: Multi30k test2016).")
     parser.add_argument("--source_lang", default="de")
     parser.add_argument("--target_lang", default="en")
-    parser.add_argument("--num_beams", type=int, default=4)
-    parser.add_argument("--length_penalty", type=float, default=0.6)
-    parser.add_argument("--length_penalty_style", choices=["hf", "gnmt"], default="hf",
+    parser.add_argument("--num_beams", type=int, default=None, help="Beam size (default: the model's, 4).")
+    parser.add_argument("--length_penalty", type=float, default=None,
+                        help="Length penalty alpha (default: the model's generation_config.json: what its training run "
+                             "chose on validation, else 0.6).")
+    parser.add_argument("--length_penalty_style", choices=["hf", "gnmt"], default=None,
                         help="hf: transformers' score / |Y|^alpha; gnmt: the paper's ((5+|Y|)/6)^alpha and at most "
-                             "input length + 50 tokens (§6.1).")
+                             "input length + 50 tokens (§6.1). Default: the model's, else hf.")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--max_test_samples", type=int, default=None)
     parser.add_argument("--output", default=None,
@@ -145,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"--{name} must be >= 1, got {value}.")
-    if not math.isfinite(args.length_penalty):
+    if args.length_penalty is not None and not math.isfinite(args.length_penalty):
         raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
     output = Path(args.output) if args.output else None
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer; a writable --output

@@ -12,7 +12,8 @@ learning rate. `BudgetPlanner` instead:
    preset's `max_steps`;
 3. ends the learning-rate schedule there: Eq. 3 of the paper, then a linear cooldown to 0 over the last
    `cooldown_fraction` of the planned updates (`vaswani_hf.schedule.cooldown_learning_rate`);
-4. re-plans after every validation run and every `replan_every` steps with the speed measured so far (once the
+4. saves `cooldown_checkpoints` checkpoints evenly over the cooldown, for averaging (§6.1; training/choose.py);
+5. re-plans after every validation run and every `replan_every` steps with the speed measured so far (once the
    cooldown has started, only to end sooner if the run falls behind: the lr still reaches 0 at the end), and stops
    training at the planned update; a safety stop at the budget catches what planning could not.
 
@@ -49,9 +50,10 @@ def process_start_monotonic() -> float:
 _IMPORTED_AT = time.monotonic()
 
 
-def seconds_after_training(test_sentences: int, seconds_per_sentence: float) -> float:
-    """Estimated time of everything after training: translating `test_sentences` and saving (20 s)."""
-    return 20.0 + test_sentences * seconds_per_sentence
+def seconds_after_training(test_sentences: int, seconds_per_sentence: float, search_sentences: float = 0) -> float:
+    """Estimated time of everything after training: the choice on validation (`search_sentences`, in units of one
+    test sentence's decoding; training/choose.py), translating `test_sentences` and saving (20 s)."""
+    return 20.0 + (test_sentences + search_sentences) * seconds_per_sentence
 
 
 class BudgetPlanner(TrainerCallback):
@@ -68,6 +70,9 @@ class BudgetPlanner(TrainerCallback):
         measure_steps: the plan is made after this many updates; steps `measure_from + 1 ..` are timed.
         replan_every: re-plan every this many updates until the cooldown starts.
         seconds_per_test_sentence: the guess for the final translation before a validation run has measured it.
+        search_sentences: the choice on validation at the end (training/choose.py), in test sentences' decoding time.
+        cooldown_checkpoints: checkpoints saved evenly over the cooldown, the last at the planned end (for averaging,
+            §6.1); 0: none besides the last.
 
     Raises:
         ValueError: a non-positive budget, max_steps < 1, cooldown_fraction outside [0, 1), or measure_steps <=
@@ -77,7 +82,8 @@ class BudgetPlanner(TrainerCallback):
     def __init__(self, budget_minutes: float, max_steps: int, *, cooldown_fraction: float = 0.2,
                  test_sentences: int = 0, eval_sentences: int = 0, precision: str = "fp32",
                  precision_reason: str = "", measure_steps: int = 12, measure_from: int = 2,
-                 replan_every: int = 50, seconds_per_test_sentence: float = 0.15, start: float | None = None):
+                 replan_every: int = 50, seconds_per_test_sentence: float = 0.15, start: float | None = None,
+                 search_sentences: float = 0, cooldown_checkpoints: int = 0):
         if not budget_minutes or budget_minutes <= 0:
             raise ValueError(f"The time budget must be a positive number of minutes, got {budget_minutes!r}.")
         if max_steps < 1:
@@ -90,6 +96,7 @@ class BudgetPlanner(TrainerCallback):
         self.max_steps = max_steps
         self.cooldown_fraction = cooldown_fraction
         self.test_sentences, self.eval_sentences = test_sentences, eval_sentences
+        self.search_sentences, self.cooldown_checkpoints = search_sentences, cooldown_checkpoints
         self.precision, self.precision_reason = precision, precision_reason
         self.measure_steps, self.measure_from, self.replan_every = measure_steps, measure_from, replan_every
         self.seconds_per_sentence = seconds_per_test_sentence
@@ -108,7 +115,7 @@ class BudgetPlanner(TrainerCallback):
 
     def final_seconds(self) -> float:
         """Estimated time of everything after training (`seconds_after_training`)."""
-        return seconds_after_training(self.test_sentences, self.seconds_per_sentence)
+        return seconds_after_training(self.test_sentences, self.seconds_per_sentence, self.search_sentences)
 
     def plan(self, step: int, eval_steps: int | None, lambdas) -> int:
         """Plan the run's last update from `step` on; set the schedule's end in `lambdas`; return the plan."""
@@ -150,6 +157,19 @@ class BudgetPlanner(TrainerCallback):
             print(message, flush=True)  # stdout, beside the progress bar: the user's record of the plan
         return planned
 
+    @property
+    def cooldown_from(self) -> int | None:
+        """The last step before the planned cooldown (None before the plan)."""
+        return None if self.planned_steps is None else self.planned_steps - self.cooldown_steps
+
+    def cooldown_checkpoint_due(self, step: int) -> bool:
+        """A checkpoint for averaging is due at `step`: one of `cooldown_checkpoints` steps evenly spaced over the
+        cooldown, ending at the planned last step."""
+        if not self.cooldown_checkpoints or self.planned_steps is None or self.cooldown_steps < 1:
+            return False
+        every = max(1, self.cooldown_steps // self.cooldown_checkpoints)
+        return step > self.cooldown_from and (self.planned_steps - step) % every == 0
+
     # -- Trainer hooks ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         import torch
@@ -171,6 +191,8 @@ class BudgetPlanner(TrainerCallback):
             first, t0 = self._timed_from
             self.step_seconds = max(1e-3, (now - t0 - self._eval_seconds) / max(1, step - first))
             self.plan(step, args.eval_steps if args.eval_strategy != "no" else None, lambdas)
+        if self.cooldown_checkpoint_due(step):
+            control.should_save = True
         if self.planned_steps is not None and step >= self.planned_steps:
             control.should_training_stop = True
             control.should_save = True

@@ -61,7 +61,7 @@ logger = logging.getLogger("vaswani_hf.training")
 
 # The planner's guess for the final test translation until a validation run has timed decoding (a CPU's; the gpu
 # preset sets its own).
-SECONDS_PER_TEST_SENTENCE = 0.15
+SECONDS_PER_TEST_SENTENCE = 0.05
 
 
 def start_process() -> None:
@@ -171,10 +171,11 @@ class HubPush:
 
 
 def default_budget_minutes(preset: dict[str, Any], recipe: RecipeArguments, device_type: str) -> float | None:
-    """The preset's time budget for the whole command: `time_budget_minutes_native_bf16` on a CPU with native bf16
-    (whichever precision `cpu_precision` then finds faster there) unless --cpu_bf16 no, else `time_budget_minutes`;
-    None where the preset has none (base, big, tiny)."""
-    native = device_type == "cpu" and recipe.cpu_bf16 != "no" and cpu_has_native_bf16()
+    """The preset's time budget for the whole command: `time_budget_minutes_native_bf16`, where the preset has one, on a
+    CPU with native bf16 (whichever precision `cpu_precision` then finds faster there) unless --cpu_bf16 no, else
+    `time_budget_minutes`; None where the preset has none (base, big, tiny)."""
+    native = device_type == "cpu" and recipe.cpu_bf16 != "no" and "time_budget_minutes_native_bf16" in preset \
+        and cpu_has_native_bf16()
     return preset.get("time_budget_minutes_native_bf16" if native else "time_budget_minutes")
 
 
@@ -243,10 +244,10 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
         CheckError: naming the flag and what to do.
     """
     check_streaming(run, layout)
-    if run.recipe.length_penalty_style not in ("hf", "gnmt"):
+    if run.recipe.length_penalty_style not in (None, "hf", "gnmt"):
         raise CheckError(f"--length_penalty_style must be hf (transformers' generate()) or gnmt (the paper's, §6.1), "
                          f"got {run.recipe.length_penalty_style!r}.")
-    limit = check_average_last(run.recipe.average_last, save_total_limit=save_total_limit,
+    limit = check_average_last(run.recipe.average_last or 0, save_total_limit=save_total_limit,
                                save_total_limit_given=save_total_limit_given, saving=saving,
                                max_steps=run.plan.max_steps, save_steps=save_steps, resuming=run.plan.resuming)
     check_model_inputs(run.model_args.model_name_or_path, run.model_args.tokenizer_name,
@@ -257,6 +258,11 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
         check_resume_settings(checkpoint, run_settings(run), model_config=expected_model_fields(run))
         check_average_last_resumed(run.recipe.average_last, resume_from=checkpoint, output_dir=run.output_dir,
                                    max_steps=run.plan.max_steps, save_steps=save_steps, save_total_limit=limit)
+    from .choose import COOLDOWN_CHECKPOINTS, averaging_searched
+
+    if averaging_searched(run) and limit is not None and not save_total_limit_given:
+        # the cooldown's checkpoints, and the --save_steps ones that may fall among them, stay until the choice
+        limit = max(limit, COOLDOWN_CHECKPOINTS + 2)
     if push is not None:
         from .publish import check_hub_reachable
 
@@ -329,7 +335,8 @@ def training_deadline(run: Run, *, test_sentences: int) -> float | None:
 def run_metrics(run: Run, model, *, steps: int, epochs: float, train_seconds: float, device: torch.device,
                 distributed_type: str, world_size: int, mixed_precision: str | None,
                 label_smoothing: float) -> dict[str, Any]:
-    """The metrics both loops record for a run (metrics.json); each loop adds its own (loss, tokens, plan)."""
+    """The metrics both loops record for a run (metrics.json); each loop adds its own (loss, tokens, plan) and the
+    choice made on validation (`training/choose.py`) replaces `averaged_checkpoints`."""
     return {
         "preset": run.model_args.preset,
         "label_smoothing": label_smoothing,
@@ -345,7 +352,7 @@ def run_metrics(run: Run, model, *, steps: int, epochs: float, train_seconds: fl
         "mixed_precision": mixed_precision,
         "precision": run.plan.precision,
         "torch_threads": torch.get_num_threads(),
-        "averaged_checkpoints": run.recipe.average_last,
+        "averaged_checkpoints": run.recipe.average_last or 0,
     }
 
 
@@ -400,9 +407,12 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
         metrics["test"] = "not translated (--skip_test)"
     elif "test" in raw:
         test = select(raw["test"], data_args.max_test_samples)
-        result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=batch_size, num_beams=num_beams,
+        generation = model.generation_config  # the decoding chosen on validation (training/choose.py) or given
+        result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=batch_size,
+                                   num_beams=generation.num_beams or num_beams,
+                                   length_penalty=generation.length_penalty,
                                    is_multi30k=is_multi30k(data_args),
-                                   length_penalty_style=run.recipe.length_penalty_style)
+                                   length_penalty_style=getattr(generation, "length_penalty_style", None) or "hf")
         metrics.update(result["metrics"])
         write_lines_atomic(output_dir / "test_translations.txt", result["hypotheses"])
         print("\nSample translations (test set):")
@@ -413,7 +423,9 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     metrics["command_minutes"] = round((time.monotonic() - process_start_monotonic()) / 60, 2)
     write_json_atomic(output_dir / "metrics.json", metrics)
     if "test_bleu" in metrics:
-        print(f"Test BLEU (sacreBLEU, detokenized): {metrics['test_bleu']}   {metrics['test_bleu_signature']}")
+        print(f"Test BLEU (sacreBLEU, detokenized): {metrics['test_bleu']}   {metrics['test_bleu_signature']}   "
+              f"(beam {metrics['num_beams']}, length penalty {metrics['length_penalty']:g} in the "
+              f"{metrics['length_penalty_style']} form; length ratio {metrics['test_length_ratio']})")
     elif run.recipe.skip_test:
         print(f"The test split was not translated (--skip_test): vaswani-evaluate --model {output_dir} scores it.")
     if "test_paper_bleu" in metrics:

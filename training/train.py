@@ -50,6 +50,14 @@ from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
 from .checkpoints import average_into, write_run_settings
+from .choose import (
+    COOLDOWN_CHECKPOINTS,
+    SEARCH_COST_FACTOR,
+    averaging_searched,
+    choose_on_validation,
+    search_passes,
+    write_given_decoding,
+)
 from .output_dir import claim_output_dir, retire_previous_results
 from .planner import BudgetPlanner
 from .precision import cpu_precision
@@ -415,12 +423,15 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         callbacks.append(SaveEvery(run.recipe.save_every_minutes))
     planner = None
     if plan.budget_minutes:
+        passes = search_passes(run, "validation" in raw)
         planner = BudgetPlanner(
             plan.budget_minutes, training_args.max_steps, cooldown_fraction=run.preset.get("cooldown_fraction", 0.0),
             test_sentences=count_test_sentences(run, raw),
             eval_sentences=len(eval_dataset) if eval_dataset is not None else 0,
             precision=plan.precision, precision_reason=plan.precision_reason,
-            seconds_per_test_sentence=seconds_per_test_sentence(run))
+            seconds_per_test_sentence=seconds_per_test_sentence(run),
+            search_sentences=passes * len(raw["validation"]) * SEARCH_COST_FACTOR if passes else 0,
+            cooldown_checkpoints=COOLDOWN_CHECKPOINTS if averaging_searched(run) and passes else 0)
         callbacks.append(planner)
     trainer = PaperTrainer(
         model=model,
@@ -452,6 +463,16 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         if stopped_by:  # averaging reads every checkpoint; a SIGTERM asks for a quick end
             run.recipe.average_last = 0
         average_into(run, trainer.model)
+        if not stopped_by and not run.recipe.skip_test:  # the checkpoints to average and the decoding (§6.1)
+            choice = choose_on_validation(
+                run, trainer.model, tokenizer, raw.get("validation"),
+                cooldown_from=planner.cooldown_from if planner is not None else None,
+                final_step=trainer.state.global_step, num_beams=training_args.generation_num_beams,
+                batch_size=training_args.per_device_eval_batch_size)
+        else:
+            choice = None
+        if choice is None:
+            write_given_decoding(run, trainer.model)
         for path in weight_files(run.output_dir):
             follow_umask(path)
 
@@ -469,6 +490,10 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         metrics["train_tokens_per_second"] = round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1)
     if planner is not None and planner.plans:
         metrics["plan"] = planner.plans[-1]
+    if main_process and choice is not None:
+        metrics["chosen_on_validation"] = choice
+        metrics["averaged_checkpoints"] = choice["chosen"]["average_last"] if choice["averaged_from"] else \
+            metrics["averaged_checkpoints"]
     if main_process:  # test set: beam 4, length penalty 0.6 (§6.1), BLEU two ways; metrics.json; the upload
         finish(run, trainer.model, tokenizer, raw, metrics, batch_size=training_args.per_device_eval_batch_size,
                num_beams=training_args.generation_num_beams, push=push, stopped_by=stopped_by)

@@ -65,6 +65,7 @@ from vaswani_hf.schedule import paper_optimizer_and_schedule
 
 from .arguments import DataArguments, ModelArguments, RecipeArguments
 from .checkpoints import RUN_SETTINGS, average_into, run_settings
+from .choose import write_given_decoding
 from .output_dir import claim_output_dir, retire_previous_results, write_json_atomic
 from .precision import cpu_precision
 from .prepare import token_budget_sampler
@@ -320,7 +321,7 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
     max_steps = plan.max_steps
     # No planner here: with a time budget, training stops by the clock, early enough for the test translation.
     deadline = training_deadline(job, test_sentences=count_test_sentences(job, raw))
-    keep = max(loop.save_total_limit, job.recipe.average_last) if loop.save_total_limit else None
+    keep = max(loop.save_total_limit, job.recipe.average_last or 0) if loop.save_total_limit else None
     target_tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
     start = time.perf_counter()
     saved_at = time.monotonic()  # --save_every_minutes counts from the last checkpoint
@@ -398,6 +399,7 @@ def _run(job: Run, loop: LoopArguments, *, push: HubPush | None):
         write_json_atomic(output_dir / STATE_NAME,
                           {"global_step": completed, "max_steps": max_steps, "log_history": log_history})
         average_into(job, unwrapped)
+        write_given_decoding(job, unwrapped)  # --length_penalty into generation_config.json (nothing is searched here)
         finish(job, unwrapped, tokenizer, raw, metrics, batch_size=loop.per_device_eval_batch_size,
                num_beams=loop.num_beams or unwrapped.generation_config.num_beams, push=push)
     return metrics, unwrapped

@@ -48,6 +48,37 @@ def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | Non
     return cache if cache is not None else past_key_values
 
 
+LENGTH_PENALTY_STYLES = ("hf", "gnmt")
+# The length penalty of the `generate()` call in progress: "hf" (transformers' |Y|^alpha) or "gnmt" (the paper's).
+_LENGTH_PENALTY_STYLE: contextvars.ContextVar[str] = contextvars.ContextVar("vaswani_length_penalty_style",
+                                                                            default="hf")
+
+
+def length_penalty_style(kwargs: dict, config: GenerationConfig) -> str:
+    """The length penalty of a `generate()` call: `length_penalty_style=` of the call (taken out of `kwargs`), else the
+    generation config's `length_penalty_style` (a field a folder's generation_config.json may hold), else "hf".
+
+    "hf" divides a finished hypothesis' log-probability by |Y|^alpha (transformers, fairseq, CTranslate2); "gnmt" by
+    ((5 + |Y|) / 6)^alpha (Wu et al., 2016, the penalty §6.1 cites). Beams are extended by raw log-probability under
+    either, so with `early_stopping=True` the two choose among the same finished hypotheses.
+
+    Raises:
+        ValueError: another style, or "gnmt" without `early_stopping=True` (transformers' stopping heuristics for
+            other settings assume |Y|^alpha).
+    """
+    style = kwargs.pop("length_penalty_style", None)
+    if style is None:
+        style = getattr(config, "length_penalty_style", None) or "hf"
+    if style not in LENGTH_PENALTY_STYLES:
+        raise ValueError(f"generate(): length_penalty_style must be 'hf' (|Y|^alpha) or 'gnmt' (((5 + |Y|) / 6)^alpha, "
+                         f"the paper's), got {style!r}.")
+    early_stopping = kwargs.get("early_stopping", getattr(config, "early_stopping", None))
+    if style == "gnmt" and early_stopping is not True:
+        raise ValueError(f"generate(): length_penalty_style='gnmt' needs early_stopping=True (got {early_stopping!r}): "
+                         f"transformers' stopping rules for other settings assume the |Y|^alpha penalty.")
+    return style
+
+
 # Incremental decoding: the decoder self-attention cache ---------------------------------------------------------------
 
 
@@ -348,8 +379,13 @@ class VaswaniGenerationMixin(GenerationMixin):
         check_generation_values(kwargs, "generate()")
         check_generation_values({name: getattr(config, name, None) for name in GENERATION_FIELDS if name not in kwargs},
                                 "generate(): the generation config (generation_config)")
-        with inference_fast_paths(self, self.use_cpu_packed_linears, self.keep_packed_cpu_linears):
-            outputs = super().generate(*args, **kwargs)
+        style = length_penalty_style(kwargs, config)
+        token = _LENGTH_PENALTY_STYLE.set(style)
+        try:
+            with inference_fast_paths(self, self.use_cpu_packed_linears, self.keep_packed_cpu_linears):
+                outputs = super().generate(*args, **kwargs)
+        finally:
+            _LENGTH_PENALTY_STYLE.reset(token)
         sequences = outputs if torch.is_tensor(outputs) else getattr(outputs, "sequences", None)
         generation_config = kwargs.get("generation_config") or self.generation_config
         eos = kwargs.get("eos_token_id", generation_config.eos_token_id)
@@ -458,8 +494,15 @@ class VaswaniGenerationMixin(GenerationMixin):
         return skipping.select_inputs(model_inputs) if skipping is not None else model_inputs
 
     def _update_finished_beams(self, *args, **kwargs):
-        """transformers' update of the finished hypotheses, noting which sentences are done."""
-        # Private hook: beam search's finished sentences (`is_sent_finished`) are visible nowhere else.
+        """transformers' update of the finished hypotheses, noting which sentences are done; under the GNMT length
+        penalty (`length_penalty_style="gnmt"`) a finishing hypothesis of |Y| tokens scores its log-probability over
+        ((5 + |Y|) / 6)^alpha instead of transformers' |Y|^alpha (§6.1)."""
+        # Private hook: beam search's finished sentences (`is_sent_finished`) are visible nowhere else, and it is the
+        # one place that divides a finishing hypothesis by its length penalty.
+        if _LENGTH_PENALTY_STYLE.get() == "gnmt" and kwargs.get("length_penalty"):
+            alpha = float(kwargs["length_penalty"])
+            length = kwargs["cur_len"] + 1 - kwargs["decoder_prompt_len"]  # |Y|, </s> included, as transformers counts
+            kwargs["topk_log_probs"] = kwargs["topk_log_probs"] * (length**alpha / ((5 + length) / 6) ** alpha)
         results = super()._update_finished_beams(*args, **kwargs)
         skipping = _SKIPPING.get()
         if skipping is not None:

@@ -2,6 +2,8 @@
 
 - `paper.py`: the paper's decoding (§6.1): beam 4, the GNMT length penalty ((5 + |Y|) / 6)^0.6, at most input length
   + 50 tokens (`paper_generate`), and transformers' |Y|^0.6 as the other named style (`length_penalty`);
+- `search.py`: the length penalty chosen on a development set (§6.1), every (style, alpha) from one beam search
+  (`length_penalty_search`, `best_setting`);
 - `translate.py`: `translate_sentences`, lists of sentences in length-sorted batches through `generate()` (or
   `paper_generate`), what `vaswani-translate`, `vaswani-evaluate` and the demo page call;
 - `pipeline.py`: `pipeline("translation")` and "translation_{src}_to_{tgt}", registered when `vaswani_hf` is imported
@@ -41,9 +43,11 @@ from .pipeline import (
     parse_translation_task,
     register_translation_pipeline,
 )
+from .search import DEFAULT_ALPHAS, best_setting, length_penalty_search
 from .translate import translate_sentences
 
 __all__ = [
+    "DEFAULT_ALPHAS",
     "LENGTH_PENALTY_STYLES",
     "FinishedHypotheses",
     "SourceLengthLimitLogitsProcessor",
@@ -52,6 +56,7 @@ __all__ = [
     "VaswaniExportableDecoderStep",
     "VaswaniExportableEncoder",
     "beam_search_hypotheses",
+    "best_setting",
     "build_ct2_spec",
     "convert_to_ct2",
     "ct2_translate",
@@ -59,6 +64,7 @@ __all__ = [
     "gnmt_length_penalty",
     "hf_length_penalty",
     "length_penalty",
+    "length_penalty_search",
     "max_output_lengths",
     "onnx_export_generation",
     "onnx_generation_functions",
