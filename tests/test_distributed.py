@@ -64,8 +64,9 @@ def flags(data, output_dir, cache_dir, *extra, test=True) -> list[str]:
             "--max_tokens", "48", "--cache_dir", str(cache_dir), "--output_dir", str(output_dir), *extra]
 
 
-TRAINER_FLAGS = ["--max_steps", str(STEPS), "--logging_steps", "1", "--eval_strategy", "no", "--save_steps",
-                 str(STEPS), "--report_to", "none", "--disable_tqdm", "true", "--per_device_eval_batch_size", "8"]
+TRAINER_FLAGS = ["--length_penalty", "0.6", "--max_steps", str(STEPS), "--logging_steps", "1", "--eval_strategy", "no",
+                 "--save_steps", str(STEPS), "--report_to", "none", "--disable_tqdm", "true",
+                 "--per_device_eval_batch_size", "8"]
 NO_TRAINER_FLAGS = ["--max_steps", str(STEPS), "--logging_steps", "1", "--checkpointing_steps", "0",
                     "--per_device_eval_batch_size", "8"]
 

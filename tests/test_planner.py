@@ -166,8 +166,8 @@ def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, 
     out = tmp_path / "run"
     metrics = main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"),
                     "--max_train_samples", "300", "--max_steps", "24", "--time_budget_minutes", "60",
-                    "--warmup_steps", "4", "--eval_strategy", "no", "--max_test_samples", "4",
-                    "--save_steps", "100", "--logging_steps", "1", "--cpu_bf16", "no"])
+                    "--length_penalty", "0.6", "--warmup_steps", "4", "--eval_strategy", "no",
+                    "--max_test_samples", "4", "--save_steps", "100", "--logging_steps", "1", "--cpu_bf16", "no"])
     printed = capsys.readouterr().out
     assert "Time budget 60 min for the whole command" in printed and "Precision fp32 (--cpu_bf16 no)" in printed
     assert "-> 24 steps (the preset's full schedule), lr cooldown over the last 12" in printed

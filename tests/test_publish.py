@@ -68,7 +68,8 @@ def trained(tmp_path_factory, hub):
     main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path_factory.mktemp("cache")),
           "--max_train_samples", "200", "--max_test_samples", "4", "--max_steps", "2", "--eval_strategy", "no",
           "--num_samples", "0", "--cpu_bf16", "no", "--disable_tqdm", "true", "--report_to", "none",
-          "--push_to_hub", "--hub_model_id", "someone/vaswani-tiny", "--hub_token", "hf_stand_in_token"])
+          "--length_penalty", "0.6", "--push_to_hub", "--hub_model_id", "someone/vaswani-tiny", "--hub_token",
+          "hf_stand_in_token"])
     return out
 
 
@@ -426,7 +427,7 @@ def fine_tuned(trained, tmp_path_factory):
     main(["--preset", "tiny", "--output_dir", str(out), "--model_name_or_path", str(trained), "--train_file", prefix,
           "--validation_file", prefix, "--test_file", prefix, "--max_steps", "2", "--eval_strategy", "no",
           "--max_test_samples", "3", "--num_samples", "0", "--cpu_bf16", "no", "--disable_tqdm", "true",
-          "--report_to", "none"])
+          "--report_to", "none", "--length_penalty", "0.6"])
     return out, prefix
 
 

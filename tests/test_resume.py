@@ -32,7 +32,8 @@ from vaswani_training.checkpoints import checkpoint_problems, resolve_resume_che
 TRAIN = ROOT / "training" / "train.py"
 MAX_STEPS = 24
 # 160 pairs make about 13 token-budget batches of 512 tokens, so the 24 steps cross an epoch boundary (new shuffle).
-ARGS = ["--preset", "tiny", "--max_train_samples", "160", "--max_test_samples", "1", "--max_steps", str(MAX_STEPS),
+ARGS = ["--length_penalty", "0.6", "--preset", "tiny",
+        "--max_train_samples", "160", "--max_test_samples", "1", "--max_steps", str(MAX_STEPS),
         "--save_steps", "2", "--save_total_limit", "20", "--logging_steps", "1", "--eval_strategy", "no",
         "--num_samples", "0", "--disable_tqdm", "true", "--cpu_bf16", "no", "--seed", "3"]
 TIMEOUT = 900  # seconds; a guard for a busy shared machine, not a timing assertion

@@ -55,7 +55,7 @@ def trained(tmp_path_factory):
     args = ["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(cache),
             "--max_train_samples", "400", "--max_eval_samples", "8", "--max_test_samples", "12",
             "--max_steps", "8", "--eval_steps", "4", "--save_steps", "4", "--logging_steps", "2",
-            "--per_device_eval_batch_size", "8", "--num_samples", "2"]
+            "--per_device_eval_batch_size", "8", "--num_samples", "2", "--length_penalty", "0.6"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         metrics = main(args)

@@ -32,7 +32,8 @@ class DataArguments:
     max_target_length: int = field(default=256, metadata={"help": "Truncate target sentences to this many tokens."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only the first N training pairs."})
     max_eval_samples: int | None = field(default=None, metadata={
-        "help": "Validation pairs scored during training (default: the preset's)."})
+        "help": "Validation pairs scored during training (default: the preset's) and decoded by the choice of the "
+                "checkpoints to average and of the length penalty at the end (default: all)."})
     max_test_samples: int | None = field(default=None, metadata={"help": "Use only the first N test pairs."})
     max_tokens: int | None = field(default=None, metadata={
         "help": "Token budget per batch per device, padded tokens counted (fairseq --max-tokens). Default: the "

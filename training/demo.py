@@ -159,13 +159,16 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
     generation = model.generation_config
     default_beams = min(generation.num_beams or 4, core.MAX_BEAMS)
     default_alpha = generation.length_penalty if generation.length_penalty is not None else 0.6
+    # the form generate() applies: the folder's choice (training/choose.py) or transformers' own
+    penalty = ("((5 + length) / 6)^penalty, the paper's GNMT form" if getattr(
+        generation, "length_penalty_style", None) == "gnmt" else "length^penalty, transformers' form")
     note = core.training_data_note(model_dir if model_dir is not None else getattr(model, "name_or_path", None))
     with gr.Blocks(title=title, analytics_enabled=False) as demo:
         state = gr.State(None)
         gr.Markdown(f"# {title}\nType or paste a sentence in the model's source language ({source_lang}): at most "
                     f"{core.MAX_CHARACTERS:,} characters and {core.MAX_SOURCE_TOKENS} subword tokens. Beam size 1 to "
-                    f"{core.MAX_BEAMS} (the paper's: 4, length penalty 0.6, §6.1; the page applies the penalty as "
-                    f"transformers does, log-probability / length^penalty, not in the paper's GNMT form).")
+                    f"{core.MAX_BEAMS} (the paper's: 4, length penalty 0.6, §6.1; this model's defaults are those "
+                    f"its generation config holds; the page applies the penalty as log-probability / {penalty}).")
         gr.Markdown(f"*{note}*", elem_id="training_data")
         source = gr.Textbox(label="Source", lines=3, elem_id="source",
                             placeholder=EXAMPLE_SOURCES.get(source_lang, ""))
@@ -179,7 +182,7 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
         status = gr.Markdown(elem_id="status")
         translation = gr.Textbox(label="Translation (the chosen hypothesis)", interactive=False,
                                  elem_id="translation")
-        hypotheses = gr.Radio(label="n-best hypotheses (score: log-probability / length^penalty)", choices=[],
+        hypotheses = gr.Radio(label=f"n-best hypotheses (score: log-probability / {penalty.split(',')[0]})", choices=[],
                               elem_id="hypotheses")
         with gr.Row():
             layer = gr.Slider(1, page.num_layers, value=page.num_layers, step=1, label="Layer", elem_id="layer")

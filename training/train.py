@@ -378,12 +378,15 @@ def main(argv: list[str] | None = None) -> dict:
     with claim_output_dir(run, main_process=training_args.process_index == 0):
         # Chosen once the run is accepted: on a CPU with native bf16 it times both precisions (about 2 s).
         run.plan.precision, run.plan.precision_reason = precision_choice(training_args, run)
-        return _train(run, training_args, push=push)
+        return _train(run, training_args, push=push, max_eval_samples_given="max_eval_samples" in given)
 
 
-def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush | None) -> dict:
+def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush | None,
+           max_eval_samples_given: bool = False) -> dict:
     set_seed(training_args.seed)
     data_args, plan = run.data_args, run.plan
+    # the choice on validation reads the whole split, or --max_eval_samples pairs where the command line gives it
+    search_limit = data_args.max_eval_samples if max_eval_samples_given else None
     raw, tokenizer, tokenized, model = prepare(
         run, main_process_first=training_args.main_process_first(desc="data and tokenizer"))
 
@@ -424,13 +427,14 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
     planner = None
     if plan.budget_minutes:
         passes = search_passes(run, "validation" in raw)
+        search_sentences = len(select(raw["validation"], search_limit)) if passes else 0
         planner = BudgetPlanner(
             plan.budget_minutes, training_args.max_steps, cooldown_fraction=run.preset.get("cooldown_fraction", 0.0),
             test_sentences=count_test_sentences(run, raw),
             eval_sentences=len(eval_dataset) if eval_dataset is not None else 0,
             precision=plan.precision, precision_reason=plan.precision_reason,
             seconds_per_test_sentence=seconds_per_test_sentence(run),
-            search_sentences=passes * len(raw["validation"]) * SEARCH_COST_FACTOR if passes else 0,
+            search_sentences=passes * search_sentences * SEARCH_COST_FACTOR,
             cooldown_checkpoints=COOLDOWN_CHECKPOINTS if averaging_searched(run) and passes else 0)
         callbacks.append(planner)
     trainer = PaperTrainer(
@@ -455,6 +459,7 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
     train_seconds = time.perf_counter() - start
     stopped_by = "SIGTERM" if time_limit.signal == getattr(signal, "SIGTERM", None) else None
     main_process = trainer.is_world_process_zero()
+    choice = None  # what the main process chooses on validation
     if main_process:  # an earlier run's metrics never stand beside this run's weights
         retire_previous_results(run)
     trainer.save_model()  # every process calls it; the main one writes
@@ -465,12 +470,11 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         average_into(run, trainer.model)
         if not stopped_by and not run.recipe.skip_test:  # the checkpoints to average and the decoding (§6.1)
             choice = choose_on_validation(
-                run, trainer.model, tokenizer, raw.get("validation"),
+                run, trainer.model, tokenizer,
+                select(raw["validation"], search_limit) if "validation" in raw else None,
                 cooldown_from=planner.cooldown_from if planner is not None else None,
                 final_step=trainer.state.global_step, num_beams=training_args.generation_num_beams,
                 batch_size=training_args.per_device_eval_batch_size)
-        else:
-            choice = None
         if choice is None:
             write_given_decoding(run, trainer.model)
         for path in weight_files(run.output_dir):

@@ -4,9 +4,10 @@
     vaswani-translate --model outputs/multi30k-de-en --input sentences.de --output out.en --num_beams 4
 
 Reads one sentence a line (file or stdin), writes one translation a line (file, written atomically, or stdout).
-Decoding defaults to the model's `generate()`: beam 4 and length penalty 0.6 (the paper's values, §6.1), the penalty
-applied as transformers does (score / |Y|^0.6), at most input length + 50 tokens. `--length_penalty_style gnmt`
-decodes as the paper does (§6.1): GNMT's penalty, score / ((5 + |Y|) / 6)^0.6 (`vaswani_hf.decoding.paper_generate`).
+Decoding defaults to the model's `generate()` with its generation_config.json: the beam, length penalty and its form
+that its training run chose on validation (§6.1), else beam 4 and 0.6 applied as transformers does (score /
+|Y|^0.6); at most input length + 50 tokens. `--length_penalty_style gnmt` decodes as the paper does (§6.1): GNMT's
+penalty, score / ((5 + |Y|) / 6)^alpha (`vaswani_hf.decoding.paper_generate`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", default="-", help="Where translations go; '-' for stdout (default).")
     parser.add_argument("--num_beams", type=int, default=None, help="Beam size (default: the model's, 4).")
     parser.add_argument("--length_penalty", type=float, default=None,
-                        help="Length penalty alpha (default: the model's, 0.6), applied as "
-                             "--length_penalty_style says.")
-    parser.add_argument("--length_penalty_style", choices=["hf", "gnmt"], default="hf",
-                        help="hf (default): transformers' score / |Y|^alpha, as generate() applies it; gnmt: the "
-                             "paper's score / ((5+|Y|)/6)^alpha (§6.1).")
+                        help="Length penalty alpha (default: the model's generation_config.json, what its training "
+                             "run chose on validation, else 0.6), applied as --length_penalty_style says.")
+    parser.add_argument("--length_penalty_style", choices=["hf", "gnmt"], default=None,
+                        help="hf: transformers' score / |Y|^alpha; gnmt: the paper's score / ((5+|Y|)/6)^alpha "
+                             "(§6.1). Default: the model's generation_config.json, else hf.")
     parser.add_argument("--batch_size", type=int, default=64, help="Sentences per batch (default 64).")
     parser.add_argument("--max_new_tokens", type=int, default=None,
                         help="Maximum output length (default: input length + 50); both length penalty styles.")
@@ -118,21 +119,25 @@ def main(argv: list[str] | None = None) -> int:
         check_sentence_lengths(model, tokenizer, lines, names=[f"{where}:{i + 1}" for i in range(len(lines))])
     except CheckError as error:
         raise SystemExit(str(error)) from None
-    generate_fn = None
+    generate_fn, style = None, {}
     if args.length_penalty_style == "gnmt":
         from vaswani_hf.decoding.paper import paper_generate
 
-        alpha = args.length_penalty if args.length_penalty is not None else 0.6
-        beams = args.num_beams or 4
+        generation = model.generation_config
+        alpha = args.length_penalty if args.length_penalty is not None else (
+            generation.length_penalty if generation.length_penalty is not None else 0.6)
+        beams = args.num_beams or generation.num_beams or 4
         # --max_new_tokens caps every output as in hf style; without it the paper's input length + 50 (§6.1).
         limits = {"max_len_a": 0.0, "max_len_b": args.max_new_tokens} if args.max_new_tokens else {}
         generate_fn = lambda m, **kw: paper_generate(  # noqa: E731
             m, kw["input_ids"], kw["attention_mask"], num_beams=beams, alpha=alpha, **limits)
+    elif args.length_penalty_style == "hf" and getattr(model.generation_config, "length_penalty_style", None) == "gnmt":
+        style = {"length_penalty_style": "hf"}  # over the folder's own choice
     # Empty lines stay empty lines, so the output aligns with the input line by line.
     index = [i for i, line in enumerate(lines) if line.strip()]
     translated = translate_sentences(model, tokenizer, [lines[i] for i in index], batch_size=args.batch_size,
                                      num_beams=args.num_beams, length_penalty=args.length_penalty,
-                                     max_new_tokens=args.max_new_tokens, generate_fn=generate_fn)
+                                     max_new_tokens=args.max_new_tokens, generate_fn=generate_fn, **style)
     out = [""] * len(lines)
     for i, text in zip(index, translated):
         out[i] = text

@@ -70,7 +70,8 @@ def length_penalty_search(model, tokenizer, sources: Sequence[str], references: 
     picks: dict[tuple[str, float], list[str | None]] = {(s, a): [None] * len(sources) for s in styles for a in alphas}
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        batch = tokenizer.pad({"input_ids": [encoded[i] for i in rows]}, return_tensors="pt").to(device)
+        padded = tokenizer.pad({"input_ids": [encoded[i] for i in rows]}, return_tensors="pt")
+        batch = {name: padded[name].to(device) for name in ("input_ids", "attention_mask")}
         hypotheses = beam_search_hypotheses(model, batch["input_ids"], batch["attention_mask"], num_beams=num_beams,
                                             max_len_b=max_len_b)
         texts = [[t.strip() for t in tokenizer.batch_decode(hypotheses.sequences[:, k], skip_special_tokens=True)]

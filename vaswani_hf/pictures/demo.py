@@ -58,9 +58,10 @@ class Hypothesis:
 
     Attributes:
         text: detokenized translation.
-        score: beam search's score, the sum of the token log-probabilities divided by `length ** length_penalty`,
-            `length` counting the tokens after the start token (transformers' `sequences_scores`); `None` for greedy
-            decoding (beam 1).
+        score: beam search's score, the sum of the token log-probabilities divided by `length ** length_penalty`
+            (or by `((5 + length) / 6) ** length_penalty` where the model's generation config says
+            `length_penalty_style: "gnmt"`), `length` counting the tokens after the start token (transformers'
+            `sequences_scores`); `None` for greedy decoding (beam 1).
         ids: the generated ids, decoder start token first, `</s>` last (where the hypothesis ended), no padding.
     """
 
