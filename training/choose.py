@@ -108,7 +108,7 @@ def choose_on_validation(run: Run, model, tokenizer, validation, *, cooldown_fro
         run: the run (its flags say what is searched: `averaging_searched`, `length_penalty_searched`).
         model: the final model, already saved in --output_dir (its weights are replaced by the chosen average).
         validation: the validation split's translation records (all of them are decoded).
-        cooldown_from: the first step of the learning-rate cooldown (checkpoints after it are the candidates);
+        cooldown_from: the last step before the learning-rate cooldown (the checkpoints after it are the candidates);
             None: the run's last `COOLDOWN_CHECKPOINTS` checkpoints.
         final_step: the run's last step; averaging is searched only when its checkpoint is the newest.
         num_beams: the beam size (the paper's 4).
@@ -153,7 +153,9 @@ def choose_on_validation(run: Run, model, tokenizer, validation, *, cooldown_fro
         tried.extend(rows)
         best = best_setting(rows)
         paper = next((r for r in rows if r["length_penalty_style"] == "hf" and r["length_penalty"] == 0.6), None)
-        print(f"  validation, {'last checkpoint' if n in (1, None) else f'average of the last {n} checkpoints'}: "
+        label = {None: f"the model (--average_last {run.recipe.average_last})" if run.recipe.average_last else
+                 "the model", 1: "last checkpoint"}.get(n, f"average of the last {n} checkpoints")
+        print(f"  validation, {label}: "
               f"best {best['length_penalty_style']} alpha {best['length_penalty']:g} BLEU {best['bleu']} (length "
               f"ratio {best['length_ratio']})" + (f"; hf alpha 0.6 BLEU {paper['bleu']} (ratio {paper['length_ratio']})"
                                                   if paper is not None and paper is not best else ""), flush=True)
