@@ -342,7 +342,8 @@ def test_average_last_is_checked_before_training(tmp_path, train_cache):
     (["--max_train_minutes", "0"], "--max_train_minutes must be a positive number"),
     (["--config_overrides", "pad_token_id=5"], "--config_overrides pad_token_id: set by the joint BPE"),
     (["--config_overrides", "d_model=64,vocab_size=300"], "--config_overrides vocab_size: set by the joint BPE"),
-    (["--length_penalty_style", "paper"], "--length_penalty_style must be hf (transformers' generate()) or gnmt"),
+    (["--length_penalty_style", "paper"], "--length_penalty_style must be hf (transformers' generate(): |Y|^alpha) or "
+                                          "gnmt"),
 ])
 def test_flags_that_would_be_ignored_or_crash_are_refused(tmp_path, train_cache, flags, message):
     with pytest.raises(CheckError, match=re.escape(message)):

@@ -33,8 +33,8 @@ logger = logging.getLogger("vaswani_hf.training")
 # At most this many checkpoints of the cooldown are averaged (the planner saves them evenly over it; §6.1 averaged
 # the last 5 of the base model, written 10 minutes apart).
 COOLDOWN_CHECKPOINTS = 4
-# A validation sentence in the search costs about this many times one of the validation runs during training (200
-# sentences in small batches: 4.8 s, against 66 s for the search's 4 x 1,014; main job, Zen 4).
+# The search decodes the whole split in full length-sorted batches: a sentence costs less than in training's validation
+# runs of 200 sentences, whose time the planner measures (about 0.7 of it in the main job, docs/results.md).
 SEARCH_COST_FACTOR = 0.75
 
 __all__ = ["COOLDOWN_CHECKPOINTS", "SEARCH_COST_FACTOR", "averaging_searched", "choose_on_validation",
