@@ -244,9 +244,6 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
         CheckError: naming the flag and what to do.
     """
     check_streaming(run, layout)
-    if run.recipe.length_penalty_style not in (None, "hf", "gnmt"):
-        raise CheckError(f"--length_penalty_style must be hf (transformers' generate()) or gnmt (the paper's, §6.1), "
-                         f"got {run.recipe.length_penalty_style!r}.")
     limit = check_average_last(run.recipe.average_last or 0, save_total_limit=save_total_limit,
                                save_total_limit_given=save_total_limit_given, saving=saving,
                                max_steps=run.plan.max_steps, save_steps=save_steps, resuming=run.plan.resuming)

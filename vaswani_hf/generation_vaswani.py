@@ -63,8 +63,8 @@ def length_penalty_style(kwargs: dict, config: GenerationConfig) -> str:
     either, so with `early_stopping=True` the two choose among the same finished hypotheses.
 
     Raises:
-        ValueError: another style, or "gnmt" without `early_stopping=True` (transformers' stopping heuristics for
-            other settings assume |Y|^alpha).
+        ValueError: another style, or "gnmt" in a beam search without `early_stopping=True` (transformers' stopping
+            heuristics for other settings assume |Y|^alpha).
     """
     style = kwargs.pop("length_penalty_style", None)
     if style is None:
@@ -73,7 +73,8 @@ def length_penalty_style(kwargs: dict, config: GenerationConfig) -> str:
         raise ValueError(f"generate(): length_penalty_style must be 'hf' (|Y|^alpha) or 'gnmt' (((5 + |Y|) / 6)^alpha, "
                          f"the paper's), got {style!r}.")
     early_stopping = kwargs.get("early_stopping", getattr(config, "early_stopping", None))
-    if style == "gnmt" and early_stopping is not True:
+    beams = kwargs.get("num_beams", getattr(config, "num_beams", None)) or 1
+    if style == "gnmt" and beams > 1 and early_stopping is not True:
         raise ValueError(f"generate(): length_penalty_style='gnmt' needs early_stopping=True (got {early_stopping!r}): "
                          f"transformers' stopping rules for other settings assume the |Y|^alpha penalty.")
     return style
