@@ -306,7 +306,9 @@ def test_generate_rejects_out_of_range_arguments():
     ("kwargs", "message"),
     [
         (dict(num_beams=0), "num_beams must be an integer >= 1, got 0"),
-        (dict(batch_size=0), "batch_size must be >= 1, got 0"),
+        (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+        (dict(batch_size=2.5), "batch_size must be an integer >= 1, got 2.5"),
+        (dict(batch_size=True), "batch_size must be an integer >= 1, got True"),
         (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1 or None, got -1"),
         (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1 or None, got 0"),
         (dict(max_source_length=0), "max_source_length must be an integer >= 1 or None, got 0"),

@@ -57,6 +57,10 @@ def test_cuda_on_a_cpu_only_torch_is_refused(model_folder, tmp_path, monkeypatch
                "built without CUDA", "--device cpu")
     exits_with(lambda: translate_cli("--model", model_folder, "--input", source, "--device", "gpu0"),
                "not a device name")
+    exits_with(lambda: translate_cli("--model", model_folder, "--input", source, "--device", "meta"),
+               "--device meta: a meta device cannot translate here", "use cpu")
+    exits_with(lambda: evaluate_cli("--model", model_folder, "--device", "meta", "--max_test_samples", "1"),
+               "--device meta: a meta device cannot translate here")
 
 
 def test_a_tokenizer_of_another_size_is_refused(model_folder, tmp_path):

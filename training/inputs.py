@@ -23,7 +23,8 @@ def check_device(name: str | None) -> str:
     """The torch device for `--device name` (default: cuda where available, else cpu).
 
     Raises:
-        CheckError: an unknown device name, or a CUDA/MPS device this torch or machine does not have.
+        CheckError: an unknown device name, the meta device (no values to compute with), or a CUDA/MPS device this
+            torch or machine does not have.
     """
     import torch
 
@@ -44,6 +45,9 @@ def check_device(name: str | None) -> str:
             raise CheckError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible.")
     elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise CheckError(f"--device {name}: MPS is not available on this machine; use --device cpu.")
+    elif device.type == "meta":
+        raise CheckError(f"--device {name}: a meta device cannot translate here (a meta tensor holds no values); use "
+                         f"cpu, cuda, cuda:1 or mps.")
     return name
 
 

@@ -53,8 +53,8 @@ def translate_sentences(
     for i, s in enumerate(sentences):
         if not isinstance(s, str):
             raise ValueError(f"translate_sentences: item {i} is {type(s).__name__}, not str.")
-    if batch_size < 1:
-        raise ValueError(f"translate_sentences: batch_size must be >= 1, got {batch_size}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"translate_sentences: batch_size must be an integer >= 1, got {batch_size!r}.")
     if num_beams is not None and (isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1):
         raise ValueError(f"translate_sentences: num_beams must be an integer >= 1, got {num_beams!r}.")
     for name, value in (("max_new_tokens", max_new_tokens), ("max_source_length", max_source_length)):
