@@ -17,18 +17,14 @@ kept, not searched; `--average_last N` given by the user is kept (0: none), not 
 
 from __future__ import annotations
 
-import logging
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 from vaswani_hf.checks import replace_file_atomically
 
-from .checkpoints import current_run_checkpoints
+from .checkpoints import checkpoint_step, current_run_checkpoints
 from .run import Run
-
-logger = logging.getLogger("vaswani_hf.training")
 
 # At most this many checkpoints of the cooldown are averaged (the planner saves them evenly over it; §6.1 averaged
 # the last 5 of the base model, written 10 minutes apart).
@@ -58,10 +54,6 @@ def search_passes(run: Run, has_validation: bool) -> int:
     if not has_validation or run.recipe.skip_test or not (averaging_searched(run) or length_penalty_searched(run)):
         return 0
     return COOLDOWN_CHECKPOINTS if averaging_searched(run) else 1
-
-
-def _step(folder: Path) -> int:
-    return int(re.search(r"(\d+)$", folder.name).group(1))
 
 
 def _load(model, state: dict) -> None:
@@ -134,9 +126,9 @@ def choose_on_validation(run: Run, model, tokenizer, validation, *, cooldown_fro
     candidates: list[Path] = []
     if search_average:
         mine = current_run_checkpoints(run.output_dir, started=run.plan.started, resuming=run.plan.resuming)
-        if mine and _step(mine[-1]) == final_step:
+        if mine and checkpoint_step(mine[-1]) == final_step:
             if cooldown_from is not None:
-                mine = [c for c in mine if _step(c) > cooldown_from]
+                mine = [c for c in mine if checkpoint_step(c) > cooldown_from]
             candidates = mine[-COOLDOWN_CHECKPOINTS:]
     counts = list(range(1, len(candidates) + 1)) or [None]  # None: the model as it is
     final_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
