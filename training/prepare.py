@@ -23,6 +23,8 @@ from vaswani_hf.checks import CheckError, read_json
 from vaswani_hf.data import (
     MULTI30K_SPLITS,
     TokenBudgetBatchSampler,
+    check_parallel_data,
+    check_splits,
     content_key,
     example_lengths,
     iter_sentences,
@@ -40,22 +42,49 @@ from .presets import parse_overrides
 logger = logging.getLogger("vaswani_hf.training")
 
 
+def check_data(data_args: DataArguments) -> None:
+    """The run's data, checked before any work (`check_parallel_data`): a training split; every split's first record a
+    `{"translation": ...}` object holding --source_lang and --target_lang as strings; at least one pair with both
+    sides non-empty in each split. For --train_file/--validation_file/--test_file, and for --dataset_name where it is
+    a local folder or read with --streaming; a Hub dataset read into memory is checked by the same functions as it
+    loads (`load_parallel_dataset`), the shipped Multi30k needs none.
+
+    Raises:
+        CheckError: naming the flag, file and line, or dataset, split and row, and what to do.
+    """
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    if not files["train"] and not data_args.dataset_name and any(files.values()):
+        raise CheckError("--validation_file/--test_file given without --train_file; give all three (or none for "
+                         "the shipped Multi30k).")
+    if is_multi30k(data_args):
+        return
+    if data_args.dataset_name:
+        if data_args.streaming or Path(data_args.dataset_name).is_dir():
+            check_parallel_data(hub_dataset=data_args.dataset_name, hub_config=data_args.dataset_config_name,
+                                source_lang=data_args.source_lang, target_lang=data_args.target_lang,
+                                required=("train",), empty_lines=data_args.empty_lines)
+        return
+    check_parallel_data({split: source for split, source in files.items() if source}, data_args.source_lang,
+                        data_args.target_lang, empty_lines=data_args.empty_lines,
+                        flags={split: f"--{split}_file" for split in files})
+
+
 def load_raw_datasets(data_args: DataArguments):
     """`DatasetDict` with train/validation/test `{"translation": {...}}` records (Multi30k by default); with
     --streaming, validation and test only (the training split is read by `training_stream`)."""
     if data_args.streaming:
         return _evaluation_splits(data_args)
     if data_args.dataset_name:
-        return load_parallel_dataset(hub_dataset=data_args.dataset_name, hub_config=data_args.dataset_config_name,
-                                     source_lang=data_args.source_lang, target_lang=data_args.target_lang,
-                                     empty_lines=data_args.empty_lines,
-                                     num_proc=data_args.preprocessing_num_workers)
+        raw = load_parallel_dataset(hub_dataset=data_args.dataset_name, hub_config=data_args.dataset_config_name,
+                                    source_lang=data_args.source_lang, target_lang=data_args.target_lang,
+                                    empty_lines=data_args.empty_lines, num_proc=data_args.preprocessing_num_workers)
+        check_splits(raw, ("train",), f"--dataset_name {data_args.dataset_name}")
+        return raw
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
     if not any(files.values()):
         return load_multi30k(data_args.source_lang, data_args.target_lang, empty_lines=data_args.empty_lines)
-    if not files["train"]:
-        raise CheckError("--validation_file/--test_file given without --train_file; give all three (or none for "
-                        "the shipped Multi30k).")
+    check_splits([split for split, source in files.items() if source], ("train",), "the data",
+                 hint="give --train_file with --validation_file/--test_file (or none for the shipped Multi30k)")
     return load_parallel_dataset({k: v for k, v in files.items() if v}, data_args.source_lang,
                                  data_args.target_lang, empty_lines=data_args.empty_lines)
 

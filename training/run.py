@@ -8,7 +8,8 @@ A loop calls, in order:
    (updates, warmup, batch tokens, lr factor, time budget), held with the flags in a `Run`.
 3. `check_inputs(run, ...)`: `--average_last` against the checkpoints the run keeps, the model and tokenizer it starts
    from (`training/inputs.py`), the checkpoint a resumed run continues (`training/checkpoints.py`: complete, finite,
-   of a run with the same settings: `run_settings`), the Hub endpoint of `--push_to_hub`; before any data is read.
+   of a run with the same settings: `run_settings`), the Hub endpoint of `--push_to_hub`, and the data
+   (`training/prepare.py` `check_data`: its splits, first records, at least one pair each); before anything is written.
 4. `with claim_output_dir(run, main_process=...)` (`training/output_dir.py`): `--output_dir` is writable, locked
    against a second run, and holds no other run.
 5. `prepare(run, ...)`: data -> joint BPE -> token ids, and the model; `check_positions`: learned positions cover the
@@ -55,7 +56,7 @@ from .inputs import check_model_inputs
 from .output_dir import write_json_atomic, write_lines_atomic
 from .planner import process_start_monotonic, seconds_after_training
 from .precision import cpu_has_native_bf16
-from .prepare import build_model, data_sources, dataset_label, is_multi30k, prepare_data, select
+from .prepare import build_model, check_data, data_sources, dataset_label, is_multi30k, prepare_data, select
 
 logger = logging.getLogger("vaswani_hf.training")
 
@@ -233,7 +234,7 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
     (`check_model_inputs`); for a resumed run the checkpoint it continues (`resolve_resume_checkpoint`: complete,
     finite weights; kept in `run.plan.resume_from`), its settings (`check_resume_settings`) and the checkpoints
     `--average_last` will find (`check_average_last_resumed`); with `push`, that the Hub can be reached; --streaming
-    (`check_streaming`).
+    (`check_streaming`); the data (`check_data`: splits, first records, non-empty), read up to each split's first pair.
 
     `layout`: the checkpoints of the loop, "trainer" (train.py) or "accelerate" (train_no_trainer.py).
 
@@ -264,6 +265,7 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
         from .publish import check_hub_reachable
 
         check_hub_reachable(push.endpoint)
+    check_data(run.data_args)
     return limit
 
 

@@ -1,5 +1,6 @@
 """Parallel data for the training commands, one subject a module:
 
+- `checking`: the one check of parallel data (splits, records, non-empty data) that every reader and command calls.
 - `reading`: parallel text from files (plain or `.gz` lines, `PREFIX.{src,tgt}` pairs, JSON lines), into memory or
   streamed.
 - `datasets`: memory-mapped `datasets.Dataset`s of those files, of a Hub dataset or of a folder in the Hub's layout;
@@ -20,6 +21,7 @@ from .batching import (
     example_lengths,
     padding_fraction,
 )
+from .checking import check_parallel_data, check_splits, translation_pair
 from .corpus import MULTI30K_ENV, MULTI30K_SPLITS, load_multi30k, multi30k_dir, multi30k_file
 from .datasets import content_key, load_parallel_dataset, stream_parallel_pairs
 from .reading import (
@@ -60,5 +62,8 @@ __all__ = [
     "PaddedBatches",
     "StreamingTokenBudgetBatches",
     "stream_parallel_pairs",
+    "check_parallel_data",
+    "check_splits",
+    "translation_pair",
     "padding_fraction",
 ]

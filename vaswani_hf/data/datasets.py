@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import CheckError
+from .caches import load_with_healing, map_with_healing
+from .checking import first_pair, hub_pairs, open_dataset, source_pairs, translation_pair
 from .reading import (
     PathLike,
     _check_empty_lines_policy,
@@ -82,6 +84,7 @@ def _load_split(source: PathLike, source_lang: str, target_lang: str, empty_line
     `datasets` cache), streaming the files so the corpus is never held in Python objects."""
     import datasets
     from datasets.exceptions import DatasetGenerationError
+    from datasets.io.generator import GeneratorDatasetInputStream
 
     if source_lang == target_lang:
         raise CheckError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
@@ -91,30 +94,36 @@ def _load_split(source: PathLike, source_lang: str, target_lang: str, empty_line
         if not file.is_file():
             raise CheckError(f"{file}: file not found (or not a regular file). Check the path/prefix and language "
                             f"code.")
+    first_pair(source_pairs(path, source_lang, target_lang, empty_lines), str(source))  # before datasets' own error
     kwargs = {"source": str(path.resolve()), "source_lang": source_lang, "target_lang": target_lang,
               "empty_lines": empty_lines, "content": content_key(files)}
-    try:
-        dataset = datasets.Dataset.from_generator(_generate_records, features=_translation_features(
-            source_lang, target_lang), gen_kwargs=kwargs)
-    except DatasetGenerationError as error:  # the reader's own message, not datasets' wrapper
-        cause = error.__cause__
-        while cause is not None and not isinstance(cause, CheckError):
-            cause = cause.__cause__
-        if cause is None:
-            raise
-        raise cause from None
+    features = _translation_features(source_lang, target_lang)
+
+    def load():
+        try:
+            return datasets.Dataset.from_generator(_generate_records, features=features, gen_kwargs=kwargs)
+        except DatasetGenerationError as error:  # the reader's own message, not datasets' wrapper
+            cause = error.__cause__
+            while cause is not None and not isinstance(cause, CheckError):
+                cause = cause.__cause__
+            if cause is None:
+                raise
+            raise cause from None
+
+    def builder(cache_dir):  # the builder from_generator makes, to find its cache folder
+        return GeneratorDatasetInputStream(_generate_records, features=features, gen_kwargs=kwargs,
+                                           cache_dir=cache_dir).builder
+
+    dataset = load_with_healing(load, builder)  # a damaged cache entry is named, removed and written again
     if len(dataset) == 0:
         raise CheckError(f"{source}: no non-empty sentence pairs left after skipping the empty ones.")
     return dataset
 
 
-def _check_languages(ds, source_lang: str, target_lang: str, where: str = "") -> None:
-    """Raise a CheckError naming the codes present when a language is missing from the 'translation' records."""
-    present = sorted(ds[0]["translation"])
-    for lang in (source_lang, target_lang):
-        if lang not in present:
-            raise CheckError(f"{where}language {lang!r} not in the dataset's 'translation' column; codes present: "
-                            f"{', '.join(present)}.")
+def _check_languages(ds, source_lang: str, target_lang: str, where: str = "dataset ") -> None:
+    """Raise a CheckError when the first record is not a 'translation' object holding both languages
+    (`translation_pair`)."""
+    translation_pair(ds[0], source_lang, target_lang, f"{where}row 0")
 
 
 def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hub_kwargs, num_proc=None):
@@ -122,25 +131,27 @@ def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hu
     on its memory-mapped Arrow files (in `num_proc` processes), the result cached by `datasets`."""
     import datasets
 
-    dsd = datasets.load_dataset(hub_dataset, hub_config, **(hub_kwargs or {}))
+    kwargs = dict(hub_kwargs or {})
+    # the builder load_dataset makes (without its reading options), to find its cache folder
+    built = {k: v for k, v in kwargs.items() if k not in ("split", "keep_in_memory", "num_proc", "verification_mode",
+                                                          "save_infos", "streaming", "cache_dir")}
+    dsd = load_with_healing(lambda: open_dataset(hub_dataset, hub_config, **kwargs),
+                            lambda cache_dir: datasets.load_dataset_builder(hub_dataset, hub_config,
+                                                                            cache_dir=cache_dir, **built),
+                            kwargs.get("cache_dir"))
     if isinstance(dsd, datasets.Dataset):
         dsd = datasets.DatasetDict({"train": dsd})
+    named = (hub_kwargs or {}).get("split")  # one split asked for: messages name it, not the "train" it is kept as
     out = {}
     for split, ds in dsd.items():
-        if "translation" not in ds.column_names:
-            raise CheckError(
-                f"Hub dataset {hub_dataset!r} split {split!r} has no 'translation' column (columns: "
-                f"{', '.join(ds.column_names)}). Convert it to {{'translation': {{src: ..., tgt: ...}}}} records "
-                f"and save as JSON lines."
-            )
-        if len(ds) == 0:
-            raise CheckError(f"Hub dataset {hub_dataset!r} split {split!r} is empty.")
-        _check_languages(ds, source_lang, target_lang, f"Hub dataset {hub_dataset!r} split {split!r}: ")
-        where = f"Hub dataset {hub_dataset!r} split {split!r} row"
-        cleaned = ds.map(_clean_batch, batched=True, with_indices=True, num_proc=num_proc,
-                         remove_columns=ds.column_names, features=_translation_features(source_lang, target_lang),
-                         fn_kwargs={"source_lang": source_lang, "target_lang": target_lang,
-                                    "empty_lines": empty_lines, "where": where}, desc=f"Reading {split}")
+        where = f"Hub dataset {hub_dataset!r} split {named if isinstance(named, str) else split!r}"
+        first_pair(hub_pairs(ds, source_lang, target_lang, empty_lines, where), where)
+        where = f"{where} row"
+        cleaned = map_with_healing(ds, _clean_batch, batched=True, with_indices=True, num_proc=num_proc,
+                                   remove_columns=ds.column_names,
+                                   features=_translation_features(source_lang, target_lang),
+                                   fn_kwargs={"source_lang": source_lang, "target_lang": target_lang,
+                                              "empty_lines": empty_lines, "where": where}, desc=f"Reading {split}")
         skipped = len(ds) - len(cleaned)
         if skipped:
             logger.warning("Hub %s/%s: skipped %d pairs with an empty side", hub_dataset, split, skipped)
@@ -151,8 +162,8 @@ def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hu
 
 
 def _clean_batch(batch, indices, *, source_lang, target_lang, empty_lines, where):
-    rows = ((i, (t[source_lang] or "").strip(), (t[target_lang] or "").strip())
-            for i, t in zip(indices, batch["translation"]))
+    rows = ((i, *translation_pair(record, source_lang, target_lang, f"{where} {i}"))
+            for i, record in zip(indices, ({"translation": t} for t in batch["translation"])))
     pairs = _empty_policy(rows, empty_lines, lambda i: f"{where} {i} ({source_lang})",
                           lambda i: f"{where} {i} ({target_lang})", _new_counts())
     return {"translation": [{source_lang: s, target_lang: t} for s, t in pairs]}
@@ -227,14 +238,9 @@ def stream_parallel_pairs(source: PathLike | None = None, source_lang: str = "de
         read = iter_parallel_jsonl if _is_jsonl(path) else iter_parallel_text
         return lambda: read(path, source_lang, target_lang, empty_lines=empty_lines)
 
-    def hub_pairs():
-        import datasets
+    def pairs():
+        rows = open_dataset(hub_dataset, hub_config, split=split, streaming=True)
+        where = f"Hub dataset {hub_dataset!r} split {split!r}"
+        yield from hub_pairs(rows, source_lang, target_lang, empty_lines, where)
 
-        rows = datasets.load_dataset(hub_dataset, hub_config, split=split, streaming=True)
-        indexed = ((i, (row["translation"][source_lang] or "").strip(), (row["translation"][target_lang] or "").strip())
-                   for i, row in enumerate(rows))
-        where = f"Hub dataset {hub_dataset!r} split {split!r} row"
-        yield from _empty_policy(indexed, empty_lines, lambda i: f"{where} {i} ({source_lang})",
-                                 lambda i: f"{where} {i} ({target_lang})", _new_counts())
-
-    return hub_pairs
+    return pairs

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Union
 
 from ..checks import CheckError
+from .checking import translation_pair
 
 logger = logging.getLogger(__name__)
 
@@ -303,23 +304,7 @@ def iter_parallel_jsonl(
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise CheckError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}).") from None
-            tr = rec.get("translation") if isinstance(rec, dict) else None
-            if not isinstance(tr, dict):
-                raise CheckError(
-                    f"{path}:{lineno}: expected an object with a 'translation' object, e.g. "
-                    f'{{"translation": {{"{source_lang}": "...", "{target_lang}": "..."}}}}; got {line[:80]!r}.'
-                )
-            for lang in (source_lang, target_lang):
-                if lang not in tr:
-                    raise CheckError(
-                        f"{path}:{lineno}: language {lang!r} not in this record's 'translation'; codes present: "
-                        f"{', '.join(sorted(map(str, tr))) or '(none)'}. Pass source_lang/target_lang from these."
-                    )
-                if not isinstance(tr[lang], str):
-                    raise CheckError(
-                        f"{path}:{lineno}: translation[{lang!r}] must be a string, got {type(tr[lang]).__name__}."
-                    )
-            yield lineno, tr[source_lang].strip(), tr[target_lang].strip()
+            yield (lineno, *translation_pair(rec, source_lang, target_lang, f"{path}:{lineno}"))
 
     yield from _empty_policy(records(), empty_lines, lambda n: f"{path}:{n} (translation[{source_lang!r}])",
                              lambda n: f"{path}:{n} (translation[{target_lang!r}])", counts)
