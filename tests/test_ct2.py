@@ -273,13 +273,13 @@ def test_speed_benchmark_runs_and_agrees(trained):
     assert len(results["runs"]["ct2_int8"]) == 1
 
 
-@pytest.mark.parametrize("where", ["same", "parent"])
+@pytest.mark.parametrize("where", ["same", "inside", "parent"])
 def test_ct2_conversion_never_replaces_the_model_folder(tiny_run, tmp_path, where):
     from vaswani_training.convert_ct2 import main as convert_ct2_main
 
     source = copy_run(tiny_run, tmp_path)
     before = listing(source)
-    output = source if where == "same" else tmp_path
+    output = {"same": source, "inside": source / "ct2", "parent": tmp_path}[where]
     exits_with(lambda: convert_ct2_main(["--model_dir", str(source), "--output_dir", str(output), "--force"]),
-               r"(is the same folder as|contains) --model_dir")
+               r"(is the same folder as|lies inside|contains) --model_dir")
     assert listing(source) == before

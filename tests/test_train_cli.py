@@ -379,6 +379,7 @@ def test_another_runs_folder_is_refused_unless_overwritten(tiny_run, tmp_path, t
               "--overwrite_output_dir")
     averaged = json.loads((folder / "averaged_from.json").read_text())["averaged_checkpoints"]
     assert [Path(p).name for p in averaged] == ["checkpoint-1", "checkpoint-2"]
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"], "earlier ones gone"
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, train_cache):
