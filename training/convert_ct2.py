@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="Weight type (default: float32 as trained); int8 for CPU, float16/int8_float16 for GPU.")
     parser.add_argument("--max_positions", type=int, default=None,
-                        help="Rows of the converted model's position table, i.e. the longest source or output "
-                             "(default: the model's max_position_embeddings).")
+                        help="Rows of the converted model's sinusoidal position table, i.e. the longest source or "
+                             "output (default: the model's max_position_embeddings); refused for learned positions, "
+                             "whose table the weights fix.")
     parser.add_argument("--force", action="store_true", help="Replace --output_dir if it exists.")
     return parser
 

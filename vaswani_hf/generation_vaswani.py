@@ -27,7 +27,7 @@ from transformers.modeling_outputs import Seq2SeqLMOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .fast_paths_vaswani import inference_fast_paths
-from .inputs_vaswani import GENERATION_FIELDS, check_generation_values
+from .inputs_vaswani import GENERATION_FIELDS, check_generation_values, check_model_inputs
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model keyword, `generate()`'s model_kwargs, output field) and
 # keeps the old name as a deprecated alias; the model takes either and speaks the installed version's name.
@@ -370,12 +370,13 @@ class VaswaniGenerationMixin(GenerationMixin):
         Raises:
             ValueError: `num_beams` or `num_return_sequences` is not an integer >= 1 (transformers would fail with a
                 ZeroDivisionError or a negative tensor dimension), or another setting has the wrong type
-                (`check_generation_values`), as a keyword or in the generation config.
+                (`check_generation_values`), as a keyword or in the generation config; `input_ids` and the masks
+                that do not fit together (`check_model_inputs`: not `(batch, length)` integers, an empty batch or
+                sentence, a mask of another shape, of floats, of values other than 0 and 1, or with an all-0 row).
         """
         inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-        if torch.is_tensor(inputs) and (inputs.ndim != 2 or 0 in inputs.shape):
-            raise ValueError(f"generate(): input_ids must be a (batch, length) tensor with at least one sentence of at "
-                             f"least one token (the tokenizer ends each with </s>), got shape {tuple(inputs.shape)}.")
+        check_model_inputs(inputs, *(kwargs.get(name) for name in (
+            "attention_mask", "decoder_input_ids", "decoder_attention_mask", "inputs_embeds")))
         config = kwargs.get("generation_config") or self.generation_config
         check_generation_values(kwargs, "generate()")
         check_generation_values({name: getattr(config, name, None) for name in GENERATION_FIELDS if name not in kwargs},

@@ -1,5 +1,5 @@
 """What the model is given, checked where transformers or torch would fail deep inside or not at all: token ids inside
-the vocabulary (`check_input_ids`), labels inside the target vocabulary (`check_labels`), encoder rows that pair with
+the vocabulary (`check_input_ids`), masks and labels that fit the ids they go with (`check_model_inputs`), labels inside the target vocabulary (`check_labels`), encoder rows that pair with
 the decoder's (`check_encoder_rows`), and generation settings of the right types (`check_generation_values`). Each
 raises a `ValueError` that says what was wrong and how to put it right.
 
@@ -35,10 +35,12 @@ def check_input_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids")
     forward skips it (check the ids before the call there: `check_input_ids(ids, model.config.vocab_size)`).
 
     Raises:
-        ValueError: an id is negative or not less than `vocab_size` (CPU tensors).
+        ValueError: `ids` is not a `(batch, length)` tensor of integers with at least one row and one column
+            (`check_ids_layout`), or an id is negative or not less than `vocab_size` (CPU tensors).
     """
-    if torch.compiler.is_compiling() or not ids.numel():
+    if torch.compiler.is_compiling():
         return
+    check_ids_layout(ids, name)
     if ids.device.type != "cpu":
         torch._assert_async(((ids >= 0) & (ids < vocab_size)).all(),
                             f"{name} holds a token id outside this model's vocabulary of {vocab_size} entries")
@@ -50,6 +52,136 @@ def check_input_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids")
             f"{vocab_size} entries. The tokenizer does not match the model: load the tokenizer saved with the model, "
             "or resize the embeddings with model.resize_token_embeddings(len(tokenizer))."
         )
+
+
+def check_ids_layout(ids, name: str) -> None:
+    """Refuse token ids that are not a `(batch, length)` tensor of integers with at least one sentence of at least one
+    token: torch fails on them deep inside (a reshape of 0 elements, an embedding of float indices, a 1-D row
+    broadcast against d_model). Shape and dtype only: no device sync.
+
+    Raises:
+        ValueError: naming `name`, what it is and what to pass.
+    """
+    if not torch.is_tensor(ids):
+        raise ValueError(f"{name} must be a torch tensor of token ids (batch, length), got {type(ids).__name__}: "
+                         "pass the tokenizer's output with return_tensors='pt'.")
+    if ids.ndim != 2 or 0 in ids.shape:
+        raise ValueError(f"{name} must be a (batch, length) tensor with at least one sentence of at least one token "
+                         f"(the tokenizer ends each with </s>), got shape {tuple(ids.shape)}: add the batch "
+                         "dimension with ids[None] for one sentence.")
+    if ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"{name} must hold integer token ids (torch.long), got {ids.dtype}: pass the tokenizer's ids, "
+                         "or ids.long() if they are whole numbers.")
+
+
+_ID_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding indexes with
+
+
+def _rows_and_length(ids, embeds, name: str) -> tuple[int, int] | None:
+    """(batch, length) of the ids (layout checked) or of the embeddings `(B, L, D)`; None if neither is given."""
+    if ids is not None:
+        check_ids_layout(ids, name)
+        return ids.shape[0], ids.shape[1]
+    if torch.is_tensor(embeds) and embeds.ndim == 3:
+        return embeds.shape[0], embeds.shape[1]
+    return None
+
+
+def _check_mask(mask, name: str, ids_name: str, rows: int | None, widths: tuple[int, ...] | None,
+                values: bool) -> None:
+    """A (rows, width) mask of 1 (token) and 0 (padding), as integers or booleans, with a token in every row."""
+    if not torch.is_tensor(mask):
+        raise ValueError(f"{name} must be a torch tensor of 1 (token) and 0 (padding), got {type(mask).__name__}: "
+                         "pass the tokenizer's attention_mask with return_tensors='pt'.")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        # an additive mask (0 keep, -inf drop) would read as its inverse here, where 0 is padding
+        raise ValueError(f"{name} must hold 1 (token) and 0 (padding) as integers or booleans, got {mask.dtype}: pass "
+                         f"the tokenizer's attention_mask, or mask.long() of a 0/1 mask (an additive mask of 0 and "
+                         f"-inf is (mask == 0).long()).")
+    if mask.ndim != 2:
+        raise ValueError(f"{name} must be a (batch, length) tensor like {ids_name}, got shape {tuple(mask.shape)}.")
+    if rows is not None and mask.shape[0] != rows:
+        raise ValueError(f"{name} has {mask.shape[0]} rows but {ids_name} has {rows}: pass one mask row per "
+                         f"sentence (the tokenizer's attention_mask of the same batch).")
+    if widths is not None and mask.shape[1] not in widths:
+        raise ValueError(f"{name} has {mask.shape[1]} positions but {ids_name} has {widths[0]}: pass the mask of the "
+                         f"same padded batch (one 1 or 0 per token).")
+    if not values or mask.device.type != "cpu" or torch.jit.is_tracing():
+        return  # values are read on a CPU only: on a GPU reading them would be a host sync per call
+    if mask.dtype != torch.bool:
+        odd = mask.ne(0) & mask.ne(1)
+        if bool(odd.any()):
+            raise ValueError(f"{name} holds {int(mask[odd][0])}, where 1 marks a token and 0 padding: pass a mask of "
+                             f"1s and 0s (the tokenizer's attention_mask).")
+    empty = mask.eq(0).all(dim=1)
+    if bool(empty.any()):
+        raise ValueError(f"{name} row {int(empty.nonzero()[0, 0])} is all 0: that sentence has no token to attend to, "
+                         f"and its output would be made of padding. Every row needs a 1 for each of its tokens "
+                         f"(ending in </s>); drop an empty sentence from the batch.")
+
+
+def check_model_inputs(input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                       inputs_embeds=None, decoder_inputs_embeds=None, encoder_outputs=None, cache=None,
+                       labels=None) -> None:
+    """Refuse model inputs that do not fit together, which torch reports as a size mismatch deep inside or not at all
+    (an all-zero mask row gives a finite loss over nothing). Checks what is given, as `forward` and `generate()` take
+    it:
+
+    - `input_ids`, `decoder_input_ids`: `check_ids_layout` (`(batch, length)` integers, not empty);
+    - `attention_mask`: the `(batch, length)` of the encoder input (`input_ids`, `inputs_embeds` or `encoder_outputs`),
+      1 and 0 as integers or booleans (never floats: an additive mask would read inverted); on a CPU, where the
+      encoder runs in this call (no `encoder_outputs`), values 0 or 1 with a 1 in every row;
+    - `decoder_attention_mask`: one row per decoder row, as wide as the decoder input (P + T with a cache of P
+      positions; a static cache's width and a 4-D mask, as `generate()` builds for one, are checked for rows only),
+      and the same values on a CPU;
+    - `labels`: `(batch, length)` integers, the shape of the decoder input where that is given, else one row per
+      encoder row.
+
+    Values are read on CPU tensors only (no device sync), and nothing is checked under `torch.compile` or export.
+
+    Raises:
+        ValueError: naming the argument, what is wrong and what to pass.
+    """
+    if torch.compiler.is_compiling():
+        return
+    if encoder_outputs is not None:
+        states = encoder_outputs[0]
+        encoder = tuple(states.shape[:2]) if torch.is_tensor(states) and states.ndim == 3 else None
+        encoder_name = "encoder_outputs"
+    else:
+        encoder = _rows_and_length(input_ids, inputs_embeds, "input_ids")
+        encoder_name = "input_ids" if input_ids is not None else "inputs_embeds"
+    decoder = _rows_and_length(decoder_input_ids, decoder_inputs_embeds, "decoder_input_ids")
+    decoder_name = "decoder_input_ids" if decoder_input_ids is not None else "decoder_inputs_embeds"
+    if attention_mask is not None:
+        _check_mask(attention_mask, "attention_mask", encoder_name, encoder and encoder[0], encoder and encoder[1:],
+                    values=encoder_outputs is None)
+    static = cache is not None and getattr(cache, "is_compileable", False)
+    if torch.is_tensor(decoder_attention_mask) and decoder_attention_mask.ndim == 4:  # generate()'s, static cache
+        if decoder is not None and decoder_attention_mask.shape[0] != decoder[0]:
+            raise ValueError(f"decoder_attention_mask has {decoder_attention_mask.shape[0]} rows but {decoder_name} "
+                             f"has {decoder[0]}: pass one mask row per decoder row.")
+    elif decoder_attention_mask is not None:
+        widths = None if decoder is None or static else \
+            (decoder[1] + (cache.get_seq_length() if cache is not None else 0),)
+        _check_mask(decoder_attention_mask, "decoder_attention_mask", decoder_name, decoder and decoder[0], widths,
+                    values=True)
+    if labels is not None:
+        _check_labels_layout(labels, decoder, decoder_name, encoder, encoder_name)
+
+
+def _check_labels_layout(labels, decoder, decoder_name: str, encoder, encoder_name: str) -> None:
+    if not torch.is_tensor(labels) or labels.ndim != 2 or 0 in labels.shape or labels.dtype not in _ID_DTYPES:
+        what = f"shape {tuple(labels.shape)} of {labels.dtype}" if torch.is_tensor(labels) else type(labels).__name__
+        raise ValueError(f"labels must be a (batch, length) tensor of target token ids (torch.long, -100 where no loss "
+                         f"is wanted) with at least one token per row, got {what}: pass the tokenizer's text_target "
+                         "ids.")
+    if decoder is not None and tuple(labels.shape) != tuple(decoder):
+        raise ValueError(f"labels have shape {tuple(labels.shape)} but {decoder_name} has {tuple(decoder)}: pass one "
+                         f"label per decoder position, or leave {decoder_name} out (it is made from the labels).")
+    if decoder is None and encoder is not None and labels.shape[0] != encoder[0]:
+        raise ValueError(f"labels have {labels.shape[0]} rows but {encoder_name} has {encoder[0]} sentences: pass one "
+                         "row of labels per source sentence.")
 
 
 def check_encoder_rows(attention: Callable, batch: int, rows: int) -> None:

@@ -43,7 +43,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_vaswani import VaswaniConfig
 from .generation_vaswani import CACHE_NAME, VaswaniGenerationMixin, VaswaniSelfAttentionCache, one_cache
-from .inputs_vaswani import check_encoder_rows, check_input_ids, check_labels
+from .inputs_vaswani import check_encoder_rows, check_input_ids, check_labels, check_model_inputs
 from .loading_vaswani import VaswaniLoadingMixin
 
 
@@ -648,8 +648,13 @@ class VaswaniModel(VaswaniPreTrainedModel):
             kwargs: passed on to the attention functions.
         Returns:
             `Seq2SeqModelOutput` with `last_hidden_state` `(B, T, D)` from the decoder and the encoder's output.
+        Raises:
+            ValueError: ids or masks that do not fit together (`inputs_vaswani.check_model_inputs`: shapes, an
+                all-zero or non-0/1 mask row, float masks or ids).
         """
         past_key_values = one_cache(past_key_values, cache)
+        check_model_inputs(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, inputs_embeds,
+                           decoder_inputs_embeds, encoder_outputs, past_key_values)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else self.config.output_hidden_states)
@@ -727,13 +732,16 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             training commands train on the label-smoothed loss of §5.4 (fast_paths_vaswani.py). The cache (`cache=` or
             `past_key_values=`) comes back under the installed version's name.
         Raises:
-            ValueError: both `cache` and `past_key_values` given; `labels` outside the vocabulary.
+            ValueError: both `cache` and `past_key_values` given; `labels` outside the vocabulary, or ids, masks or
+                labels that do not fit together (`inputs_vaswani.check_model_inputs`).
         """
         if "label_smoothing" in kwargs:
             raise ValueError("forward() returns the plain cross-entropy and takes no label_smoothing: train on the "
                              "label-smoothed loss of §5.4 with Trainer's label_smoothing_factor, or inside "
                              "training_fast_paths(model, label_smoothing) of fast_paths_vaswani.py.")
         if labels is not None:
+            check_model_inputs(input_ids, None, decoder_input_ids, None, inputs_embeds, decoder_inputs_embeds,
+                               encoder_outputs, labels=labels)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
                 decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)

@@ -142,11 +142,12 @@ def build_ct2_spec(model, vocabulary: Sequence[str], max_positions: int | None =
         vocabulary: tokens in id order, `len(vocabulary) == config.vocab_size` (see
             `vocabulary_from_tokenizer`); the target side uses the first `config.decoder_vocab_size`.
         max_positions: rows of the written sinusoidal table (default `config.max_position_embeddings`); sources
-            and outputs must fit in it. Learned positions keep their own table.
+            and outputs must fit in it. Learned positions keep their own table, so it is refused for them.
     Returns:
         the spec, not yet validated, quantized or saved.
     Raises:
-        ValueError: a vocabulary of the wrong size, special token ids outside it, an activation CTranslate2 lacks.
+        ValueError: a vocabulary of the wrong size, special token ids outside it, an activation CTranslate2 lacks;
+            a `max_positions` that is not a positive integer, or given for a model with learned positions.
         ImportError: ctranslate2 is not installed.
     """
     ctranslate2 = _import_ctranslate2()
@@ -160,9 +161,17 @@ def build_ct2_spec(model, vocabulary: Sequence[str], max_positions: int | None =
     if config.activation_function not in _ACTIVATIONS:
         raise ValueError(f"CTranslate2 has no {config.activation_function!r} activation; supported: "
                          f"{', '.join(_ACTIVATIONS)}.")
+    if max_positions is not None:
+        if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+            raise ValueError(f"max_positions (--max_positions) must be a positive integer, the rows of the converted "
+                             f"position table (the longest source or output), got {max_positions!r}; leave it out "
+                             f"for the model's max_position_embeddings={config.max_position_embeddings}.")
+        if config.position_embedding_type == "learned":
+            raise ValueError(f"max_positions (--max_positions) sizes a sinusoidal position table, but this model's "
+                             f"positions are learned: their table of max_position_embeddings="
+                             f"{config.max_position_embeddings} rows is fixed by its weights and is converted as it "
+                             f"is. Leave --max_positions out.")
     max_positions = max_positions or config.max_position_embeddings
-    if max_positions < 1:
-        raise ValueError(f"max_positions must be positive, got {max_positions}.")
     del ctranslate2
 
     spec = transformer_spec.TransformerSpec.from_config(

@@ -14,6 +14,7 @@ import operator
 import re
 from typing import Any
 
+import torch
 from transformers import AutoModelForSeq2SeqLM
 from transformers.pipelines import PIPELINE_REGISTRY, Pipeline
 
@@ -80,7 +81,9 @@ class TranslationPipeline(Pipeline):
     at construction or per call as MarianMT's pipeline accepts them) changes nothing in the output, but is refused
     when the model's config declares its pairs (`config.task_specific_params`) and this one is not among them.
     Generation keyword arguments (`num_beams`, `length_penalty`, `max_new_tokens`, ...) go to `model.generate`;
-    the defaults come from the model's generation config (beam 4, length penalty 0.6 for paper models).
+    the defaults come from the model's generation config (beam 4, length penalty 0.6 for paper models). An empty
+    string (or one of whitespace only) translates to "" without a model call, in its place among the others: given
+    only `</s>`, a model would invent a sentence.
 
     Raises:
         TranslationTaskError: a malformed "translation_..." task name.
@@ -145,13 +148,27 @@ class TranslationPipeline(Pipeline):
     def preprocess(self, text: str):
         if not isinstance(text, str):
             raise ValueError(f"The translation pipeline takes strings, got {type(text).__name__}.")
-        return self.tokenizer(text, return_tensors="pt")
+        # every item carries the flag, so that batches of empty and other strings collate
+        return {**self.tokenizer(text, return_tensors="pt"), "empty_source": torch.tensor([[int(not text.strip())]])}
 
     def _forward(self, model_inputs, **generate_kwargs):
+        empty = model_inputs.pop("empty_source").reshape(-1).bool()
         source_length = model_inputs["input_ids"].shape[1]
         if "max_new_tokens" not in generate_kwargs and "max_length" not in generate_kwargs:
             generate_kwargs["max_length"] = source_length + 51  # §6.1: input length + 50, plus the start token
-        return {"output_ids": self.model.generate(**model_inputs, **generate_kwargs)}
+        if not bool(empty.any()):
+            return {"output_ids": self.model.generate(**model_inputs, **generate_kwargs)}
+        per_source = generate_kwargs.get("num_return_sequences") or \
+            getattr(self.model.generation_config, "num_return_sequences", None) or 1
+        kept = (~empty).nonzero().flatten()
+        pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        if not len(kept):
+            return {"output_ids": torch.full((len(empty) * per_source, 1), pad)}
+        generated = self.model.generate(**{name: value[kept] for name, value in model_inputs.items()},
+                                        **generate_kwargs)
+        output = generated.new_full((len(empty) * per_source, generated.shape[1]), pad)  # "" once decoded
+        output[(kept[:, None] * per_source + torch.arange(per_source)).flatten().to(output.device)] = generated
+        return {"output_ids": output}
 
     def postprocess(self, model_outputs):
         texts = self.tokenizer.batch_decode(model_outputs["output_ids"], skip_special_tokens=True)

@@ -27,7 +27,8 @@ def translate_sentences(
     """Translate `sentences`; returns one detokenized string per input, in input order.
 
     Sentences are sorted by length and cut into batches of `batch_size`, so that little padding is computed; a
-    padded batch gives the same translations as one sentence at a time.
+    padded batch gives the same translations as one sentence at a time. An empty sentence (or one of whitespace only)
+    translates to "" without a model call: given only `</s>`, a model would invent a sentence.
 
     Args:
         model: a `VaswaniForConditionalGeneration` (or any seq2seq LM); it is put in eval mode.
@@ -64,10 +65,17 @@ def translate_sentences(
         raise ValueError(f"translate_sentences: length_penalty must be a finite number, got {length_penalty!r}.")
     model.eval()
     device = next(model.parameters()).device
-    encoded = tokenizer(sentences, truncation=max_source_length is not None, max_length=max_source_length)["input_ids"]
+    outputs = [""] * len(sentences)
+    kept = [i for i, s in enumerate(sentences) if s.strip()]  # the empty ones stay ""
+    if progress is not None and len(kept) < len(sentences):
+        progress(len(sentences) - len(kept))
+    if not kept:
+        return outputs
+    encoded = dict(zip(kept, tokenizer([sentences[i] for i in kept], truncation=max_source_length is not None,
+                                       max_length=max_source_length)["input_ids"]))
     limit = _position_limit(model)
     if limit is not None:
-        longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+        longest = max(kept, key=lambda i: len(encoded[i]))
         length = len(encoded[longest])
         if length > limit:
             reason = (f"max_position_embeddings={limit} of this model's learned positions"
@@ -77,8 +85,7 @@ def translate_sentences(
             raise ValueError(f"translate_sentences: sentence {longest}: Sequence of {length} tokens is longer than "
                              f"{reason}; nothing was translated. Truncate the input (max_source_length=...) or split "
                              "it into sentences.")
-    order = sorted(range(len(sentences)), key=lambda i: len(encoded[i]))
-    outputs: list[str | None] = [None] * len(sentences)
+    order = sorted(kept, key=lambda i: len(encoded[i]))
     if num_beams is not None:
         generate_kwargs["num_beams"] = num_beams
     if length_penalty is not None:
@@ -98,7 +105,7 @@ def translate_sentences(
                 outputs[i] = text.strip()
             if progress is not None:
                 progress(len(index))
-    return outputs  # type: ignore[return-value]
+    return outputs
 
 
 def _position_limit(model) -> int | None:
