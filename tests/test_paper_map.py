@@ -82,3 +82,49 @@ def test_a_correct_reference_passes():
 
 def test_the_readme_points_at_the_page():
     assert "docs/paper.md" in (ROOT / "README.md").read_text(encoding="utf-8").split("\n## ")[0]
+
+
+# docs/reliability.md: every point of its fault sections names the tests that hold it ----------------------------------
+
+RELIABILITY = ROOT / "docs" / "reliability.md"
+FAULT_SECTIONS = ("Loading safely", "Nothing lost, nothing silent", "Bad input", "Faults survived")
+POINT = re.compile(r"^(?:- |\d+\. )", re.MULTILINE)
+
+
+def section_points(text: str, heading: str) -> list[str]:
+    """The bullets and numbered points of the `## heading` section of a page, each with its continuation lines."""
+    sections = {part.split("\n", 1)[0].strip(): part for part in re.split(r"^## ", text, flags=re.MULTILINE)[1:]}
+    body = sections.get(heading, "")
+    starts = [match.start() for match in POINT.finditer(body)]
+    return [body[start:end].strip() for start, end in zip(starts, [*starts[1:], len(body)], strict=False)]
+
+
+def points_without_a_test(text: str) -> list[str]:
+    """The points of `FAULT_SECTIONS` that name no `tests/...py::test_...` (their first words)."""
+    return [f"{heading}: {point[:70]}" for heading in FAULT_SECTIONS for point in section_points(text, heading)
+            if not any(file.startswith("tests/") and separator == "::" for file, separator, _ in references(point))]
+
+
+def test_every_fault_claim_of_reliability_md_names_the_tests_that_hold_it():
+    text = RELIABILITY.read_text(encoding="utf-8")
+    counts = {heading: len(section_points(text, heading)) for heading in FAULT_SECTIONS}
+    assert all(counts.values()), f"a section lost its heading or its points: {counts}"
+    assert points_without_a_test(text) == []
+    assert missing_references(text) == []
+
+
+def test_every_test_a_docs_page_names_exists():
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert missing_references(page.read_text(encoding="utf-8")) == [], page.name
+
+
+@pytest.mark.parametrize("point, caught", [
+    ("- A refusal without a test.", True),
+    ("- A refusal. Test: `tests/test_loading.py:test_no_code_of_ours_unpickles` (code, not a test).", True),
+    ("- A refusal. Test: `vaswani_hf/checks.py::read_json`.", True),
+    ("- A refusal. Test: `tests/test_loading.py::test_no_code_of_ours_unpickles`.", False),
+])
+def test_a_point_that_names_no_test_is_caught(point, caught):
+    held = "- Refused. Test: `tests/test_loading.py::test_no_code_of_ours_unpickles`."
+    page = f"## Bad input\n\nWhat is refused.\n\n{held}\n{point}\n\n## Faults survived\n\n1. {held[2:]}\n"
+    assert points_without_a_test(page) == ([f"Bad input: {point[:70]}"] if caught else [])

@@ -75,6 +75,33 @@ def test_offloading_still_refuses_a_foreign_tensor(tmp_path):
                                                         offload_folder=tmp_path / "offload")
 
 
+
+def test_layer_norm_eps_above_1_is_refused_naming_config_json(model_folder):
+    with pytest.raises(ValueError, match=r"layer_norm_eps must be a small positive number \(0 < eps <= 1"):
+        VaswaniConfig(layer_norm_eps=1.5)
+    config = json.loads((model_folder / "config.json").read_text())
+    config["layer_norm_eps"] = 1.5
+    (model_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(f"{model_folder / 'config.json'}: layer_norm_eps must be")):
+        VaswaniForConditionalGeneration.from_pretrained(model_folder)
+
+
+def test_a_damaged_cached_tokenizer_is_trained_again_with_a_warning(tmp_path, caplog):
+    import datasets
+
+    from vaswani_training.arguments import DataArguments, ModelArguments
+    from vaswani_training.prepare import get_tokenizer
+
+    data = datasets.Dataset.from_dict({"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."}]})
+    model_args = ModelArguments(cache_dir=str(tmp_path))
+    first = get_tokenizer(model_args, data, DataArguments(), 300)
+    (cached,) = (tmp_path / "tokenizers").iterdir()
+    (cached / "tokenizer.json").write_text('{"version": ')
+    with caplog.at_level(logging.WARNING):
+        again = get_tokenizer(model_args, data, DataArguments(), 300)
+    assert again.get_vocab() == first.get_vocab()
+    assert f"The cached joint BPE at {cached} is damaged" in caplog.text and "training it again" in caplog.text
+
 # Resuming -------------------------------------------------------------------------------------------------------------
 
 
