@@ -136,12 +136,15 @@ def check_run_output_dir(output_dir: str | os.PathLike, *, resuming: bool, overw
 def claim_output_dir(run: Run, *, main_process: bool) -> Iterator[None]:
     """Hold `--output_dir` for the run: on the main process it must be writable, is locked (`RunLock`: a second run
     into it is refused at once) and must hold no other run (`check_run_output_dir`). A refused run leaves the folder
-    as it found it. The other processes only wait for the main one at their first collective step.
+    as it found it, and so does a run whose data is refused (a `CheckError` inside the block) before it wrote anything:
+    the lock file goes, and the folder too where the run made it and it is empty. The other processes only wait for the
+    main one at their first collective step.
 
     Raises:
         CheckError: a folder that cannot be written, is in use, or holds another run.
     """
     lock = None
+    made = not run.output_dir.exists()
     if main_process:
         check_output_dir(run.output_dir, flag="--output_dir")
         lock = RunLock(run.output_dir).acquire()
@@ -154,6 +157,12 @@ def claim_output_dir(run: Run, *, main_process: bool) -> Iterator[None]:
             raise
     try:
         yield
+    except CheckError:
+        if lock is not None:
+            lock.release(remove=True)
+            if made and run.output_dir.is_dir() and not any(run.output_dir.iterdir()):
+                run.output_dir.rmdir()
+        raise
     finally:
         if lock is not None:
             lock.release()

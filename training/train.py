@@ -282,17 +282,6 @@ class SaveEvery(TrainerCallback):
         return control
 
 
-class StreamEpochs(TrainerCallback):
-    """--streaming: each pass over the stream draws its own batch order (`set_epoch`), as the token-budget sampler's
-    epochs do."""
-
-    def __init__(self, stream: StreamingTokenBudgetBatches):
-        self.stream = stream
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        self.stream.set_epoch(int(state.epoch or 0))
-
-
 class CheckpointSettings(TrainerCallback):
     """Writes the run's settings into each checkpoint (`checkpoints.RUN_SETTINGS`, read when the run is resumed) and
     gives its weights the modes of the user's umask."""
@@ -416,12 +405,15 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
 
     time_limit = TimeLimit(plan.max_train_minutes)
     callbacks: list[TrainerCallback] = [time_limit, CheckpointSettings(run)]
+    # --streaming: one endless iteration, pass after pass each in its own batch order (`repeat`), so that a resumed
+    # run, which skips as many batches as it has trained, continues exactly where the uninterrupted run would be
     train_dataset = tokenized["train"] if not data_args.streaming else StreamingTokenBudgetBatches(
         training_stream(data_args), tokenizer, max_tokens=plan.max_tokens,
         max_source_length=data_args.max_source_length, max_target_length=data_args.max_target_length,
-        seed=training_args.seed, num_replicas=training_args.world_size, rank=training_args.process_index)
+        seed=training_args.seed, num_replicas=training_args.world_size, rank=training_args.process_index,
+        repeat=True)
     if data_args.streaming:
-        callbacks.append(StreamEpochs(train_dataset))
+        train_dataset.check_first_batch()  # a stream that yields no batch would train 0 steps and save the random init
     if run.recipe.save_every_minutes:
         callbacks.append(SaveEvery(run.recipe.save_every_minutes))
     planner = None
@@ -487,7 +479,9 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
                                distributed_type=trainer.accelerator.distributed_type.value,
                                world_size=training_args.world_size, mixed_precision=training_args.mixed_precision,
                                label_smoothing=training_args.label_smoothing_factor))
-    if not data_args.streaming:  # a stream's length is not known
+    if data_args.streaming:  # one endless iteration: Trainer's epoch is a fraction of --max_steps, not of passes
+        metrics["train_epochs"] = None
+    else:  # a stream's length is not known: no tokens a second for it
         # Source + target tokens without padding: epochs (fractional) x tokens in one pass over the data.
         src_lengths, tgt_lengths = example_lengths(tokenized["train"])
         tokens_per_epoch = int(src_lengths.sum() + tgt_lengths.sum())

@@ -332,8 +332,11 @@ class StreamingTokenBudgetBatches(IterableDataset):
 
     Each item is a list of `{"input_ids", "attention_mask", "labels"}` features, ready for
     `transformers.DataCollatorForSeq2Seq`: use `DataLoader(stream, batch_size=None, collate_fn=collator)`.
-    A resumed run skips the batches it has already consumed (`skip_batches`): the stream is read again, so it must
-    yield the same pairs in the same order.
+    A resumed run skips the batches it has already consumed (`skip_first_batches`): the stream is read again, so it
+    must yield the same pairs in the same order. With `repeat`, one iteration runs pass after pass (epochs `epoch`,
+    `epoch + 1`, ...) without end, so that the batches a training loop sees are a function of their count alone and a
+    resumed run that skips its first N batches continues exactly where an uninterrupted one is, past the first pass
+    too.
 
     Args:
         pairs: a callable returning a fresh iterator of `(source, target)` strings each time (one per epoch), e.g.
@@ -345,14 +348,16 @@ class StreamingTokenBudgetBatches(IterableDataset):
             corpus).
         seed, shuffle: batch order within a pool (shuffled per epoch by default).
         num_replicas, rank: this process among the data-parallel ones.
+        repeat: iterate pass after pass without end (a training loop stops at its step count).
 
     Raises:
-        CheckError: a bad budget, pool size or rank (see `TokenBudgetBatchSampler`).
+        CheckError: a bad budget, pool size or rank (see `TokenBudgetBatchSampler`); when iterated, a pass that
+            yields no batch (no pairs, or every pair over the length limits), where no DataLoader workers split it.
     """
 
     def __init__(self, pairs, tokenizer, *, max_tokens: int, max_source_length: int | None = None,
                  max_target_length: int | None = None, pool_pairs: int = 100_000, seed: int = 0,
-                 shuffle: bool = True, num_replicas: int = 1, rank: int = 0):
+                 shuffle: bool = True, num_replicas: int = 1, rank: int = 0, repeat: bool = False):
         if not callable(pairs):
             raise CheckError("pairs must be a callable returning a fresh iterator of (source, target) pairs, e.g. "
                             "lambda: iter_parallel_text(prefix, 'en', 'de').")
@@ -366,14 +371,15 @@ class StreamingTokenBudgetBatches(IterableDataset):
         self.max_tokens, self.pool_pairs = int(max_tokens), int(pool_pairs)
         self.max_source_length, self.max_target_length = max_source_length, max_target_length
         self.seed, self.shuffle, self.num_replicas, self.rank = int(seed), shuffle, int(num_replicas), int(rank)
-        self.epoch, self.num_dropped = 0, 0
+        self.epoch, self.num_dropped, self.repeat = 0, 0, repeat
         self._encode_source, self._encode_target = Encoder(tokenizer, None), Encoder(tokenizer, None, target=True)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose batch order to draw (with `seed`); call before each epoch, as with `DistributedSampler`."""
         self.epoch = int(epoch)
 
-    def _pool_batches(self, pool: list[tuple[str, str]], pool_index: int) -> Iterator[list[dict[str, list[int]]]]:
+    def _pool_batches(self, pool: list[tuple[str, str]], pool_index: int,
+                      epoch: int) -> Iterator[list[dict[str, list[int]]]]:
         # ids as one int32 array a pool and side, cut at offsets: a Python int per token would be 9x the memory
         sources, src = self._encode(self._encode_source, [s for s, _ in pool])
         targets, tgt = self._encode(self._encode_target, [t for _, t in pool])
@@ -389,7 +395,7 @@ class StreamingTokenBudgetBatches(IterableDataset):
         sampler = TokenBudgetBatchSampler(src[kept], tgt[kept], self.max_tokens, shuffle=self.shuffle,
                                           seed=self.seed * 1_000_003 + pool_index, num_replicas=self.num_replicas,
                                           rank=self.rank)
-        sampler.set_epoch(self.epoch)
+        sampler.set_epoch(epoch)
         src_starts, tgt_starts = np.cumsum(src) - src, np.cumsum(tgt) - tgt
         for batch in sampler:
             features = []
@@ -414,13 +420,50 @@ class StreamingTokenBudgetBatches(IterableDataset):
 
         worker = get_worker_info()
         worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        stream = iter(self.pairs())
-        for pool_index in itertools.count():
-            pool = list(itertools.islice(stream, self.pool_pairs))
-            if not pool:
+        for epoch in itertools.count(self.epoch):
+            stream, pairs, dropped, batches = iter(self.pairs()), 0, self.num_dropped, 0
+            for pool_index in itertools.count():
+                pool = list(itertools.islice(stream, self.pool_pairs))
+                if not pool:
+                    break
+                pairs += len(pool)
+                if pool_index % num_workers == worker_id:
+                    for batch in self._pool_batches(pool, pool_index, epoch):
+                        batches += 1
+                        yield batch
+            if not batches:
+                if num_workers == 1:  # a worker's own pools may all be left out while the others' are not
+                    raise CheckError(self._no_batch(pairs, self.num_dropped - dropped))
                 return
-            if pool_index % num_workers == worker_id:
-                yield from self._pool_batches(pool, pool_index)
+            if not self.repeat:
+                return
+
+    def _no_batch(self, pairs: int, dropped: int) -> str:
+        if not pairs:
+            return "the training stream holds no sentence pairs; give data with at least one pair."
+        limits = {"max_source_length": self.max_source_length, "max_target_length": self.max_target_length,
+                  "max_tokens": self.max_tokens}
+        named = ", ".join(f"{name} {value}" for name, value in limits.items() if value is not None)
+        return (f"the training stream yields no batch: all {dropped} of its {pairs} pairs are longer than the limits "
+                f"({named} tokens), so no step could train. Raise --max_source_length, --max_target_length or "
+                f"--max_tokens.")
+
+    def check_first_batch(self) -> None:
+        """Read the stream up to its first batch (the first pool holding a pair within the limits), before a training
+        run starts, so that a run that would train no step is refused before it writes anything. Costs the reading and
+        tokenizing of that pool; `num_dropped` is left as it was.
+
+        Raises:
+            CheckError: a whole pass yields no batch (naming the limits to raise), or what the stream's reader raises.
+        """
+        dropped, repeat = self.num_dropped, self.repeat
+        self.repeat = False
+        try:
+            iterator = iter(self)
+            next(iterator, None)
+            iterator.close()
+        finally:
+            self.num_dropped, self.repeat = dropped, repeat
 
 
 def padding_fraction(

@@ -51,7 +51,10 @@ def translation_pair(record: Any, source_lang: str, target_lang: str, where: str
     """
     translation = record.get("translation") if isinstance(record, Mapping) else None
     if not isinstance(translation, Mapping):
-        keys = f" (keys: {', '.join(map(str, record)) or 'none'})" if isinstance(record, Mapping) else ""
+        # a dataset's rows hold every column of the split, null where a record has no such key
+        keys = ""
+        if isinstance(record, Mapping):
+            keys = f" (keys: {', '.join(str(k) for k, v in record.items() if v is not None) or 'none'})"
         raise CheckError(f"{where}: expected an object with a 'translation' object, e.g. "
                          f"{_example(source_lang, target_lang)}; got {_shown(record)}{keys}. Convert the data to such "
                          f"records (JSON lines).")
