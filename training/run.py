@@ -159,6 +159,8 @@ class Run:
     plan: RunPlan
     output_dir: Path
     resume_value: str | bool | None = None  # --resume_from_checkpoint as given
+    train_pairs: int | None = None  # the training pairs the run trains on (set by `prepare`; None for a stream)
+    train_pairs_left_out: int | None = None  # read but left out, longer than the limits (--drop_long_pairs)
 
 
 @dataclass
@@ -279,6 +281,9 @@ def prepare(run: Run, *, main_process_first: AbstractContextManager | None = Non
     """
     with main_process_first or nullcontext():
         raw, tokenizer, tokenized = prepare_data(run.model_args, run.data_args, run.preset)
+    if "train" in tokenized:  # --drop_long_pairs leaves out pairs of raw["train"]: count what is trained
+        run.train_pairs = len(tokenized["train"])
+        run.train_pairs_left_out = len(raw["train"]) - len(tokenized["train"])
     model = build_model(run.model_args, run.preset, tokenizer)
     return raw, tokenizer, tokenized, model
 
@@ -359,7 +364,8 @@ def run_history(run: Run, raw) -> dict[str, Any]:
     """What the model card tells of the run's history: the model it started from (`base_model`: None when trained from
     scratch; `base_model_local`; `base_model_history`, the dataset, data and steps of that model's own run where its
     folder holds a metrics.json), the data (`data`: the files or Hub dataset of each split, `dataset`: a short label)
-    and the training pairs."""
+    and the training pairs (`train_pairs`: those trained on, after --drop_long_pairs; `train_pairs_left_out`: those
+    it left out; None for a stream)."""
     data_args = run.data_args
     base = run.model_args.model_name_or_path
     history: dict[str, Any] = {
@@ -367,7 +373,8 @@ def run_history(run: Run, raw) -> dict[str, Any]:
         "base_model_local": bool(base and Path(base).exists()),
         "dataset": dataset_label(data_args),
         "data": data_sources(data_args),
-        "train_pairs": len(raw["train"]) if "train" in raw else None,
+        "train_pairs": run.train_pairs,
+        "train_pairs_left_out": run.train_pairs_left_out,
     }
     if base and (Path(base) / "metrics.json").is_file():
         try:
