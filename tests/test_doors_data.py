@@ -262,18 +262,18 @@ def _losses(folder: Path) -> dict[int, float]:
 
 def test_a_streaming_run_resumed_past_its_first_pass_continues_exactly(tmp_path):
     """docs/reliability.md: a --streaming run resumed with --resume_from_checkpoint has the same per-step losses as
-    the uninterrupted run, past the first pass over the stream too (20 pairs make 4 batches a pass here; the run is
-    resumed at step 6, in its second pass, whose batch order differs from the first's)."""
+    the uninterrupted run, past the first pass over the stream too (20 pairs make 6 batches a pass here; the run is
+    resumed at step 8, in its second pass, whose batch order differs from the first's)."""
     prefix = write_parallel(tmp_path / "data")
-    flags = ["--train_file", prefix, "--streaming", "--max_steps", "9", "--save_steps", "6", "--logging_steps", "1",
+    flags = ["--train_file", prefix, "--streaming", "--max_steps", "11", "--save_steps", "4", "--logging_steps", "1",
              "--max_tokens", "80", "--skip_test", "--seed", "5"]
     full = tmp_path / "full"
     train_cli(full, tmp_path / "cache", *flags)
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    shutil.copytree(full / "checkpoint-6", resumed / "checkpoint-6")
+    shutil.copytree(full / "checkpoint-8", resumed / "checkpoint-8")
     train_cli(resumed, tmp_path / "cache", *flags, "--resume_from_checkpoint", "last")
-    expected, got = _losses(full / "checkpoint-9"), _losses(resumed / "checkpoint-9")
-    assert len(expected) == 9 and [got[step] for step in (7, 8, 9)] == pytest.approx(
-        [expected[step] for step in (7, 8, 9)], rel=1e-5)
+    expected, got = _losses(full / "checkpoint-11"), _losses(resumed / "checkpoint-11")
+    assert len(expected) == 11 and [got[step] for step in (9, 10, 11)] == pytest.approx(
+        [expected[step] for step in (9, 10, 11)], rel=1e-5)
     assert "resumed past its first pass" in (ROOT / "docs" / "reliability.md").read_text()
