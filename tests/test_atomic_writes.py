@@ -118,7 +118,9 @@ CHECKED_WRITES = {
     ("training/output_dir.py", "_write_atomic.write_text", "open"): "into replace_file_atomically's temporary file",
     ("training/output_dir.py", "write_json_atomic.write", "dump"): "the atomic helper",
     ("training/output_dir.py", "write_lines_atomic", "writelines"): "the atomic helper",
-    ("training/prepare.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then os.replace",
+    ("training/prepare.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then swap_in_folder",
+    ("vaswani_hf/data/caches.py", "write_manifest", "write_text"): "into the same mkdtemp folder, last, before it is "
+                                                                    "renamed into the cache",
     ("training/publish.py", "write_hub_folder", "save_pretrained"): "into a mkdtemp folder, then os.replace",
     ("training/publish.py", "write_hub_folder", "write_text"): "into the same mkdtemp folder",
     ("training/train_no_trainer.py", "save_checkpoint", "save_pretrained"): "into .tmp-checkpoint-<step>, renamed",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from vaswani_hf import VaswaniConfig, train_joint_bpe
-from vaswani_hf.checks import CheckError, read_json
+from vaswani_hf.checks import CheckError, swap_in_folder
 from vaswani_hf.data import (
     MULTI30K_SPLITS,
     TokenBudgetBatchSampler,
@@ -35,6 +35,7 @@ from vaswani_hf.data import (
     stream_parallel_pairs,
     tokenize_dataset,
 )
+from vaswani_hf.data.caches import manifest_problem, remove_damaged, write_manifest
 
 from .arguments import DataArguments, ModelArguments
 from .presets import parse_overrides
@@ -261,7 +262,9 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
     --streaming the callable of `training_stream`), or loaded.
 
     Trained tokenizers are cached under `cache_dir/tokenizers/<hash of the training text and settings>`, so a second
-    run on the same data reuses it.
+    run on the same data reuses it. An entry is written into a temporary folder beside it with a manifest of its files'
+    SHA-256 (`vaswani_hf.data.caches.write_manifest`) and renamed into place; an entry without the manifest, with a
+    file missing or changed, or that does not load is named in a warning, removed and trained again.
     """
     from transformers import AutoTokenizer
 
@@ -280,17 +283,17 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
     cache_root = Path(model_args.cache_dir or os.environ.get("VASWANI_CACHE",
                                                              Path.home() / ".cache" / "vaswani_hf"))
     cached = cache_root / "tokenizers" / digest.hexdigest()[:16]
-    if (cached / "tokenizer.json").is_file():
-        try:
-            for path in sorted(cached.glob("*.json")):
-                read_json(path)
-            tokenizer = AutoTokenizer.from_pretrained(cached)
-        except Exception as error:  # a damaged cache entry is rebuilt, not a failed run
-            logger.warning("The cached joint BPE at %s is damaged (%s); training it again.", cached, error)
-            shutil.rmtree(cached, ignore_errors=True)
-        else:
-            logger.info("Reusing the joint BPE cached at %s", cached)
-            return tokenizer
+    if cached.exists() or cached.is_symlink():
+        problem = manifest_problem(cached)  # every file there, with the SHA-256 it was written with
+        if problem is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(cached)
+            except Exception as error:  # tokenizers raises a bare Exception for a malformed file
+                problem = f"cannot be loaded: {type(error).__name__}: {error}"
+            else:
+                logger.info("Reusing the joint BPE cached at %s", cached)
+                return tokenizer
+        remove_damaged(cached, problem, "training the joint BPE again")  # a damaged entry is rebuilt, not loaded
     if callable(train_dataset):
         logger.info("Training a joint BPE of %d entries on one pass over the training stream", vocab_size)
         texts = [itertools.chain.from_iterable(train_dataset())]
@@ -298,13 +301,15 @@ def get_tokenizer(model_args: ModelArguments, train_dataset, data_args: DataArgu
         logger.info("Training a joint BPE of %d entries on %d sentence pairs", vocab_size, len(train_dataset))
         texts = [iter_sentences(train_dataset, src_lang), iter_sentences(train_dataset, tgt_lang)]
     tokenizer = train_joint_bpe(texts, vocab_size=vocab_size)
-    tmp = Path(tempfile.mkdtemp(dir=cached.parent if cached.parent.exists() else None))
-    tokenizer.save_pretrained(tmp)
     cached.parent.mkdir(parents=True, exist_ok=True)
+    # written whole beside the entry, its manifest last, then renamed: a crash leaves no entry a later run loads
+    staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cached.name}.", suffix=".tmp"))
     try:
-        os.replace(tmp, cached)
-    except OSError:  # another process cached it first
-        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save_pretrained(staging)
+        write_manifest(staging)
+        swap_in_folder(staging, cached)  # replaces an entry another process wrote meanwhile
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # there only when the save failed
     # the tokenizer as every later run loads it, so that the tokenized splits' cache (keyed by it) is theirs too
     return AutoTokenizer.from_pretrained(cached)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..checks import CheckError
+from .caches import map_with_healing
 from .datasets import _check_languages
 
 __all__ = ["Encoder", "iter_sentences", "tokenize_dataset"]
@@ -38,6 +39,9 @@ def tokenize_dataset(
         max_target_length: same for labels; defaults to `max_length`.
         keep_translation: keep the original `translation` column (default: removed).
 
+    The result is cached by `datasets` beside the dataset's Arrow files; a cached file found damaged
+    (`caches.map_with_healing`) is named in a warning, removed and computed again.
+
     Raises:
         CheckError: no `translation` column, or a language missing from it (lists the codes present);
             non-positive `max_length`.
@@ -59,7 +63,8 @@ def tokenize_dataset(
         if len(ds):
             _check_languages(ds, source_lang, target_lang)
 
-    return dataset.map(
+    return map_with_healing(  # a damaged cache file of an earlier run is named, removed and written again
+        dataset,
         _tokenize_batch,
         batched=True,
         batch_size=batch_size,
