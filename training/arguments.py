@@ -55,6 +55,12 @@ class DataArguments:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise CheckError(f"--{name} must be >= 1 (leave the flag out for the default), got {value}.")
+        from vaswani_hf.bleu import bleu_tokenizer
+
+        try:  # the BLEU of the output: refused now where it is undefined, not after the translations
+            bleu_tokenizer(self.target_lang)
+        except ValueError as error:
+            raise CheckError(f"--target_lang {self.target_lang}: {error}") from None
 
 
 @dataclass

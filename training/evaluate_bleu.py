@@ -159,8 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name} must be >= 1, got {value}.")
     if args.length_penalty is not None and not math.isfinite(args.length_penalty):
         raise SystemExit(f"--length_penalty must be a finite number, got {args.length_penalty}.")
+    if args.length_penalty is not None and args.num_beams == 1:
+        raise SystemExit("--length_penalty ranks the finished hypotheses of a beam search, and --num_beams 1 (greedy "
+                         "search) has none to rank: leave --length_penalty out, or pass --num_beams 2 or more.")
     output = Path(args.output) if args.output else None
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer; a writable --output
+        data_args = DataArguments(source_lang=args.source_lang, target_lang=args.target_lang,
+                                  test_file=args.test_file)  # --target_lang whose BLEU is defined
         check_model_folder(args.model)
         device = check_device(args.device)
         if output is not None:
@@ -168,7 +173,6 @@ def main(argv: list[str] | None = None) -> int:
             check_not_run_metrics(output, Path(args.model))
     except CheckError as error:
         raise SystemExit(str(error)) from None
-    data_args = DataArguments(source_lang=args.source_lang, target_lang=args.target_lang, test_file=args.test_file)
     if args.test_file:
         test = load_parallel_dataset(args.test_file, args.source_lang, args.target_lang)
     else:

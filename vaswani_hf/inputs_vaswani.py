@@ -1,7 +1,8 @@
 """What the model is given, checked where transformers or torch would fail deep inside or not at all: token ids inside
-the vocabulary (`check_input_ids`), masks and labels that fit the ids they go with (`check_model_inputs`), labels inside the target vocabulary (`check_labels`), encoder rows that pair with
-the decoder's (`check_encoder_rows`), and generation settings of the right types (`check_generation_values`). Each
-raises a `ValueError` that says what was wrong and how to put it right.
+the vocabulary (`check_input_ids`), masks and labels that fit the ids they go with (`check_model_inputs`), labels
+inside the target vocabulary (`check_labels`), encoder rows that pair with the decoder's (`check_encoder_rows`), and
+generation settings of the right types (`check_generation_values`). Each raises a `ValueError` that says what was
+wrong and how to put it right.
 
 It imports only torch: transformers copies it beside the model code (relative imports) for `trust_remote_code=True`.
 """
@@ -132,9 +133,9 @@ def check_model_inputs(input_ids=None, attention_mask=None, decoder_input_ids=No
       1 and 0 as integers or booleans (never floats: an additive mask would read inverted); on a CPU, where the
       encoder runs in this call (no `encoder_outputs`), values 0 or 1 with a 1 in every row;
     - `decoder_attention_mask`: one row per decoder row, as wide as the decoder input (P + T with a cache of P
-      positions; a static cache's width and a 4-D mask, as `generate()` builds for one, are checked for rows only),
-      and the same values on a CPU;
-    - `labels`: `(batch, length)` integers, the shape of the decoder input where that is given, else one row per
+      positions; a static cache's width is not checked), and the same values on a CPU; or a ready 4-D mask as
+      `generate()` builds for a static cache, `(batch, 1, T, keys)`, boolean or additive;
+    - `labels`: `(batch, length)` of torch.long, the shape of the decoder input where that is given, else one row per
       encoder row.
 
     Values are read on CPU tensors only (no device sync), and nothing is checked under `torch.compile` or export.
@@ -158,9 +159,12 @@ def check_model_inputs(input_ids=None, attention_mask=None, decoder_input_ids=No
                     values=encoder_outputs is None)
     static = cache is not None and getattr(cache, "is_compileable", False)
     if torch.is_tensor(decoder_attention_mask) and decoder_attention_mask.ndim == 4:  # generate()'s, static cache
-        if decoder is not None and decoder_attention_mask.shape[0] != decoder[0]:
-            raise ValueError(f"decoder_attention_mask has {decoder_attention_mask.shape[0]} rows but {decoder_name} "
-                             f"has {decoder[0]}: pass one mask row per decoder row.")
+        shape, dtype = tuple(decoder_attention_mask.shape), decoder_attention_mask.dtype
+        if (decoder is not None and shape[:3] != (decoder[0], 1, decoder[1])) or not (
+                dtype == torch.bool or dtype.is_floating_point):
+            raise ValueError(f"decoder_attention_mask of 4 dimensions must be a ready (batch, 1, T, keys) mask, "
+                             f"boolean (True attends) or additive (0 attends), for {decoder_name} of shape "
+                             f"{decoder}; got {shape} of {dtype}. Pass the (batch, length) 1/0 mask instead.")
     elif decoder_attention_mask is not None:
         widths = None if decoder is None or static else \
             (decoder[1] + (cache.get_seq_length() if cache is not None else 0),)
@@ -171,7 +175,7 @@ def check_model_inputs(input_ids=None, attention_mask=None, decoder_input_ids=No
 
 
 def _check_labels_layout(labels, decoder, decoder_name: str, encoder, encoder_name: str) -> None:
-    if not torch.is_tensor(labels) or labels.ndim != 2 or 0 in labels.shape or labels.dtype not in _ID_DTYPES:
+    if not torch.is_tensor(labels) or labels.ndim != 2 or 0 in labels.shape or labels.dtype != torch.long:  # the loss
         what = f"shape {tuple(labels.shape)} of {labels.dtype}" if torch.is_tensor(labels) else type(labels).__name__
         raise ValueError(f"labels must be a (batch, length) tensor of target token ids (torch.long, -100 where no loss "
                          f"is wanted) with at least one token per row, got {what}: pass the tokenizer's text_target "

@@ -9,6 +9,7 @@
 
 from .scores import (
     SACREBLEU_LOCAL_PATH,
+    bleu_tokenizer,
     compute_bleu,
     load_bleu_metric,
     moses_lc_tokenize,
@@ -16,5 +17,5 @@ from .scores import (
     paper_tokenize,
 )
 
-__all__ = ["SACREBLEU_LOCAL_PATH", "compute_bleu", "load_bleu_metric", "moses_lc_tokenize", "paper_bleu",
-           "paper_tokenize"]
+__all__ = ["SACREBLEU_LOCAL_PATH", "bleu_tokenizer", "compute_bleu", "load_bleu_metric", "moses_lc_tokenize",
+           "paper_bleu", "paper_tokenize"]

@@ -17,6 +17,12 @@ Two numbers, both on a 0–100 scale:
 * `paper_bleu` — the paper's Table 2 form (`paper_bleu()`): cased tokenized BLEU as tensor2tensor's
   `get_ende_bleu.sh` computes it, with German compounds split as `##AT##-##AT##` (En-De) and plain for other
   targets (En-Fr). The number to set beside Table 2, with its own signature.
+
+Languages written without spaces between words have no such form: Moses's tokenizer and `13a` leave a Chinese
+sentence one token, and identical output would score 0. Chinese is scored with sacreBLEU's `zh` tokenizer and Japanese
+with `ja-mecab` (where MeCab is installed) in every form, as their signatures say (`bleu_tokenizer`); Thai, Lao,
+Khmer and Burmese are refused with what to use instead. A corpus whose references hold no 4-gram is refused too:
+BLEU-4 is 0 there whatever the output, identical output included.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import sacrebleu
 # The folder `evaluate.load` takes: the folder and its script share a name, as evaluate requires.
 SACREBLEU_LOCAL_PATH = Path(__file__).resolve().parent / "sacrebleu_local"
 
-__all__ = ["load_bleu_metric", "compute_bleu", "moses_lc_tokenize", "paper_bleu", "paper_tokenize",
+__all__ = ["load_bleu_metric", "bleu_tokenizer", "compute_bleu", "moses_lc_tokenize", "paper_bleu", "paper_tokenize",
            "SACREBLEU_LOCAL_PATH"]
 
 RefsArg = Union[Sequence[str], Sequence[Sequence[str]], str, "os.PathLike[str]"]
@@ -137,14 +143,59 @@ def _check_lang(target_lang) -> str:
     return re.split(r"[-_]", target_lang)[0].lower()
 
 
+# Languages written without spaces between words -> sacreBLEU's tokenizer for them (None: it has none that runs here).
+_UNSPACED = {"zh": "zh", "ja": "ja-mecab", "th": None, "lo": None, "km": None, "my": None}
+_UNSPACED_NAMES = {"zh": "Chinese", "ja": "Japanese", "th": "Thai", "lo": "Lao", "km": "Khmer", "my": "Burmese"}
+
+
+def bleu_tokenizer(target_lang: str) -> str | None:
+    """The sacreBLEU tokenizer that BLEU of `target_lang` output needs in place of Moses's and `13a`, which split
+    at spaces: "zh" for Chinese, "ja-mecab" for Japanese; None for a language written with spaces (the paper's form
+    and `13a` apply).
+
+    Raises:
+        ValueError: a `target_lang` that is not a language code; Japanese without MeCab (`pip install
+            'sacrebleu[ja]'`); Thai, Lao, Khmer or Burmese, which no installed tokenizer splits into words (chrF or
+            character BLEU is what to use instead).
+    """
+    lang = _check_lang(target_lang)
+    if lang not in _UNSPACED:
+        return None
+    name, tokenizer = _UNSPACED_NAMES[lang], _UNSPACED[lang]
+    if tokenizer is None:
+        raise ValueError(f"BLEU of {name} ({target_lang}) output is undefined here: {name} is written without spaces "
+                         f"between words, and neither the paper's form (Moses tokens) nor sacreBLEU's 13a splits it, "
+                         f"so identical output would score 0. Score it with chrF (sacrebleu.CHRF()) or character "
+                         f"BLEU (sacrebleu.BLEU(tokenize='char')).")
+    try:
+        sacrebleu.BLEU(tokenize=tokenizer)
+    except (ImportError, RuntimeError):
+        raise ValueError(f"BLEU of {name} ({target_lang}) output needs sacreBLEU's {tokenizer} tokenizer (the paper's "
+                         f"form and 13a split at spaces, which {name} does not have, so identical output would score "
+                         f"0), and MeCab is not installed: pip install 'sacrebleu[ja]'.") from None
+    return tokenizer
+
+
+def _check_has_ngrams(metric, streams: list[list[str]], form: str) -> None:
+    """Refuse references without a single 4-gram: BLEU-4 is 0 on them whatever the output, identical output included."""
+    tokenize = metric.tokenizer if callable(getattr(metric, "tokenizer", None)) else str
+    if not any(len(tokenize(r).split()) >= metric.max_ngram_order for stream in streams for r in stream):
+        raise ValueError(f"{form}: no reference has {metric.max_ngram_order} tokens, so BLEU-{metric.max_ngram_order} "
+                         f"would be 0 whatever the hypotheses (identical ones too). Score a corpus with longer "
+                         f"sentences, or use chrF (sacrebleu.CHRF()).")
+
+
 def paper_tokenize(sentences: Sequence[str], lang: str, *, compound_splitting: bool | None = None) -> list[str]:
     """Detokenized sentences as `get_ende_bleu.sh` hands them to `multi-bleu.perl`: Moses `tokenizer.perl -l
     lang` (sacremoses: cased, HTML escaping on, no aggressive hyphen splitting), then, when `compound_splitting`
     (default: `lang == "de"`), every hyphen between two non-spaces becomes ` ##AT##-##AT## `.
 
     Returns one space-separated token string per sentence. Raises ValueError for a `lang` that is not a language
-    code; ImportError without sacremoses.
+    code or is written without spaces (`bleu_tokenizer`); ImportError without sacremoses.
     """
+    if bleu_tokenizer(lang) is not None:
+        raise ValueError(f"paper_tokenize: Moses's tokenizer splits at spaces, which {lang!r} text does not have; "
+                         f"paper_bleu scores it with sacreBLEU's {bleu_tokenizer(lang)!r} tokenizer instead.")
     lang = _check_lang(lang)
     split = lang in _COMPOUND_SPLIT_LANGS if compound_splitting is None else compound_splitting
     tok = _moses(lang)[1]
@@ -177,6 +228,9 @@ def paper_bleu(
     German quotes („ “) replaced by `"` (tensor2tensor issue #317), so that they tokenize to `&quot;` on both sides.
     Here both sides keep their own quotes.
 
+    Chinese and Japanese have no such form (Moses splits at spaces): they are scored with sacreBLEU's `zh` or
+    `ja-mecab` tokenizer, otherwise as above, and the signature starts with `tok:zh in place of moses-tok(zh)`.
+
     Args:
         hypotheses: system outputs, one detokenized string per segment.
         references: raw (cased, untokenized) references, as `compute_bleu` takes them: a list of strings, a list of
@@ -191,7 +245,7 @@ def paper_bleu(
 
     Raises:
         ValueError: as `compute_bleu` for the hypotheses and references; a `target_lang` that is not a language
-            code.
+            code, or one `bleu_tokenizer` refuses; references without a 4-gram.
         ImportError: without sacremoses.
     """
     lang = _check_lang(target_lang)
@@ -202,10 +256,19 @@ def paper_bleu(
 
 
 def _paper_score(hyps: list[str], streams: list[list[str]], lang: str, compound_splitting: bool | None):
+    unspaced = bleu_tokenizer(lang)
+    if unspaced is not None:  # multi-bleu's computation on the language's own tokens
+        metric = sacrebleu.BLEU(tokenize=unspaced, smooth_method="none", force=True)
+        _check_has_ngrams(metric, streams, "paper_bleu")
+        res = metric.corpus_score(hyps, streams)
+        return dict(bleu=res.score, signature=f"tok:{unspaced} in place of moses-tok({lang})|multi-bleu|"
+                    f"{metric.get_signature()}", counts=res.counts, totals=res.totals, precisions=res.precisions,
+                    bp=res.bp, sys_len=res.sys_len, ref_len=res.ref_len)
     split = lang in _COMPOUND_SPLIT_LANGS if compound_splitting is None else bool(compound_splitting)
     tok_hyps = paper_tokenize(hyps, lang, compound_splitting=split)
     tok_streams = [paper_tokenize(stream, lang, compound_splitting=split) for stream in streams]
     metric = sacrebleu.BLEU(tokenize="none", smooth_method="none", force=True)
+    _check_has_ngrams(metric, tok_streams, "paper_bleu")
     res = metric.corpus_score(tok_hyps, tok_streams)
     steps = f"moses-tok({lang})" + ("+compound-split(##AT##)" if split else "")
     return dict(bleu=res.score, signature=f"{steps}|multi-bleu|{metric.get_signature()}", counts=res.counts,
@@ -229,7 +292,9 @@ def compute_bleu(
             (several references per segment), or a file path (plain or `.gz`, one per line). Gives `bleu`.
         lowercase_tokenized_references: the official lowercased tokenized references (e.g.
             `vaswani_hf.data.multi30k_file("test", "en", tokenized_lowercased=True)`); gives `tok_bleu`.
-        target_lang: language of the hypotheses, for Moses tokenization (`"en"` for De→En).
+        target_lang: language of the hypotheses, for Moses tokenization (`"en"` for De→En); Chinese and Japanese
+            are scored with sacreBLEU's `zh` and `ja-mecab` tokenizers in `bleu` and `paper_bleu`
+            (`bleu_tokenizer`; their signatures say so).
         tokenized_method: `"moses"` (default, the published Multi30k number; needs sacremoses) or `"13a"`.
         with_paper_bleu: with `references`, also the paper's Table 2 form (`paper_bleu`: cased, Moses-tokenized,
             compounds split when `target_lang` is `"de"`; needs sacremoses).
@@ -243,7 +308,9 @@ def compute_bleu(
 
     Raises:
         ValueError: neither reference kind given, count mismatch between hypotheses and references, a
-            non-string hypothesis, unknown `tokenized_method`, a `target_lang` that is not a language code.
+            non-string hypothesis, unknown `tokenized_method`, a `target_lang` that is not a language code or that
+            `bleu_tokenizer` refuses (Thai, Japanese without MeCab, ...), `lowercase_tokenized_references` for a
+            language written without spaces, references without a 4-gram (BLEU-4 would be 0 whatever the output).
         ImportError: `tokenized_method="moses"` or `with_paper_bleu` without sacremoses installed.
     """
     if references is None and lowercase_tokenized_references is None:
@@ -251,11 +318,17 @@ def compute_bleu(
     if tokenized_method not in ("moses", "13a"):
         raise ValueError(f"tokenized_method must be 'moses' or '13a', got {tokenized_method!r}.")
     hyps = _check_hyps(hypotheses)
+    unspaced = bleu_tokenizer(target_lang)
+    if unspaced is not None and lowercase_tokenized_references is not None:
+        raise ValueError(f"lowercase_tokenized_references: tokenized BLEU compares Moses tokens, which {target_lang!r} "
+                         f"text does not have (no spaces between words); leave them out: `bleu` and `paper_bleu` "
+                         f"score it with sacreBLEU's {unspaced!r} tokenizer.")
     out: dict[str, Any] = {}
     if references is not None:
         streams = _read_refs(references, "references")
         _check_lengths(hyps, streams, "references")
-        metric = sacrebleu.BLEU(tokenize="13a")
+        metric = sacrebleu.BLEU(tokenize=unspaced or "13a")
+        _check_has_ngrams(metric, streams, "references")
         res = metric.corpus_score(hyps, streams)
         out.update(
             bleu=res.score, signature=str(metric.get_signature()), counts=res.counts, totals=res.totals,
@@ -270,6 +343,7 @@ def compute_bleu(
         if tokenized_method == "moses":
             tok_hyps = moses_lc_tokenize(hyps, target_lang)
             metric = sacrebleu.BLEU(tokenize="none", smooth_method="none", force=True)
+            _check_has_ngrams(metric, streams, "lowercase_tokenized_references")
             res = metric.corpus_score(tok_hyps, streams)
             prefix = f"lc+moses-norm+moses-tok({target_lang})|multi-bleu"
         else:
