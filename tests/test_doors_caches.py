@@ -456,3 +456,39 @@ def test_changed_text_inside_an_intact_arrow_file_is_read_as_it_is(tmp_path, cap
     assert not damage_warnings(caplog)
     assert again[0]["translation"]["de"] == PAIRS[0][0][0] + "X" + PAIRS[0][0][2:] != expected[0]["translation"]["de"]
     assert again.to_list()[1:] == expected[1:]
+
+
+# evaluate's cached copy of the sacreBLEU module ----------------------------------------------------------------------
+
+BLEU_COPY_DAMAGED = textwrap.dedent("""
+    import importlib, json, logging, sys
+    from pathlib import Path
+    import evaluate
+    from vaswani_hf.bleu.scores import SACREBLEU_LOCAL_PATH, load_bleu_metric
+    warnings = []
+    logging.getLogger("vaswani_hf").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: warnings.append(
+        r.getMessage())})())
+    load_bleu_metric()
+    copies = Path(evaluate.config.HF_MODULES_CACHE) / "evaluate_modules" / "metrics" / "sacrebleu_local"
+    (copy,) = copies.glob("*/sacrebleu_local.py")
+    copy.write_bytes(copy.read_bytes()[:KEEP])  # cut short, as a crash while evaluate copied it would leave it
+    for name in [n for n in sys.modules if n.startswith("evaluate_modules.metrics.")]:  # as in a new process
+        del sys.modules[name]
+    importlib.invalidate_caches()
+    score = load_bleu_metric().compute(predictions=["a b c d"], references=[["a b c d"]])["score"]
+    print(json.dumps({"score": score, "warnings": warnings, "copies": str(copies),
+                      "whole": copy.read_bytes() == (SACREBLEU_LOCAL_PATH / "sacrebleu_local.py").read_bytes()}))
+""")
+
+
+@pytest.mark.parametrize("keep", [0, 300])
+def test_a_damaged_copy_of_the_bleu_module_is_named_and_copied_again(tmp_path, keep):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HF_")}, "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", BLEU_COPY_DAMAGED.replace("KEEP", str(keep))], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert printed["score"] == pytest.approx(100.0) and printed["whole"]
+    (warning,) = [w for w in printed["warnings"] if "is damaged" in w]
+    assert printed["copies"] in warning

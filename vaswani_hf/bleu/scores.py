@@ -28,14 +28,18 @@ BLEU-4 is 0 there whatever the output, identical output included.
 from __future__ import annotations
 
 import html
+import importlib
 import os
 import re
+import sys
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Union
 
 import sacrebleu
+
+from ..data.caches import remove_damaged
 
 # The folder `evaluate.load` takes: the folder and its script share a name, as evaluate requires.
 SACREBLEU_LOCAL_PATH = Path(__file__).resolve().parent / "sacrebleu_local"
@@ -53,10 +57,24 @@ def load_bleu_metric(**kwargs: Any):
     `kwargs` go to `evaluate.load` (e.g. `experiment_id`, `num_process`/`process_id` for distributed
     evaluation, `keep_in_memory=True`). `metric.compute(predictions=[...], references=[[...], ...])` returns
     `score`, `counts`, `totals`, `precisions`, `bp`, `sys_len`, `ref_len` and `signature`.
+
+    evaluate imports a copy of the module from its modules cache; a copy that fails to load (emptied, cut short) is
+    named in a warning, removed and copied again.
     """
     import evaluate
 
-    return evaluate.load(str(SACREBLEU_LOCAL_PATH), **kwargs)
+    try:
+        return evaluate.load(str(SACREBLEU_LOCAL_PATH), **kwargs)
+    except Exception as error:  # evaluate imports its cached copy of the script: a damaged copy is copied again
+        if "download_mode" in kwargs:
+            raise
+        copies = Path(evaluate.config.HF_MODULES_CACHE) / "evaluate_modules" / "metrics" / SACREBLEU_LOCAL_PATH.name
+        remove_damaged(copies, f"{type(error).__name__}: {error}", "copying the sacreBLEU module again")
+        stale = f"evaluate_modules.metrics.{SACREBLEU_LOCAL_PATH.name}"  # the damaged module, imported already
+        for name in [name for name in sys.modules if name.startswith(stale)]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
+        return evaluate.load(str(SACREBLEU_LOCAL_PATH), download_mode="force_redownload", **kwargs)
 
 
 def _read_refs(refs: RefsArg, name: str) -> list[list[str]]:
