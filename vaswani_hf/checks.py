@@ -1,7 +1,9 @@
 """The library's checks of inputs and outputs, and `CheckError`, the one error type of bad input in the library and
 the commands: an output folder or file can be written and destroys no input (`check_output_dir`, `check_output_file`,
 `check_output_not_in_inputs`), a JSON file parses (`read_json`), a model folder is whole and self-consistent
-(`check_model_folder`: its config, complete safetensors weights, a tokenizer that matches); and of a folder's weights,
+(`check_model_folder`: its config with every field, a generation config that agrees with it, complete safetensors
+weights of the config's names and shapes, its code files where they are to run (`check_model_code`), a tokenizer that
+matches (`check_tokenizer_matches`)); and of a folder's weights,
 the tensors that hold NaN or infinite values (`nonfinite_weights`) and the fingerprint that names the weights a
 `metrics.json` describes (`weights_fingerprint`).
 
@@ -26,7 +28,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckError", "check_model_folder", "check_output_dir", "check_output_file",
+__all__ = ["CheckError", "check_model_code", "check_model_folder", "check_output_dir", "check_output_file",
            "check_output_not_in_inputs", "check_tokenizer_matches", "current_umask", "follow_umask",
            "nonfinite_weights", "read_json", "safetensors_problem", "weight_files", "weights_fingerprint",
            "weights_problems"]
@@ -297,18 +299,27 @@ def weights_problems(folder: Path) -> list[str]:
     return [problem] if problem else []
 
 
-def check_model_folder(folder: str | os.PathLike, *, need_tokenizer: bool = True) -> None:
-    """The one check of a saved `vaswani` model folder that every command runs before loading it.
+def check_model_folder(folder: str | os.PathLike, *, need_tokenizer: bool = True,
+                       trust_remote_code: bool = False) -> None:
+    """The one check of a saved `vaswani` model folder that every command runs before loading it (vaswani-translate,
+    vaswani-evaluate, vaswani-demo and its Space, vaswani-publish, vaswani-convert-ct2, vaswani-average, training from
+    --model_name_or_path).
 
     Checks, in order: the folder and its config.json exist; every `*.json` file in it parses (the error names the
-    file); config.json is a `vaswani` config whose every field is valid (`VaswaniConfig` validation, naming the file);
-    the weights are complete safetensors (never `pytorch_model.bin`); with `need_tokenizer`, tokenizer.json exists,
-    loads, has exactly `vocab_size` entries and the config's special token ids.
+    file); config.json is a JSON object of a `vaswani` model that holds every field a save writes
+    (`check_config_fields`: a default never stands in for a missing d_model) and whose every field is valid
+    (`VaswaniConfig` validation, naming the file); generation_config.json, where there is one, agrees with it
+    (`check_generation_file`: setting types, num_beams >= 1, length_penalty_style "hf" or "gnmt", special token ids
+    inside the vocabulary and equal to the config's); the weights are complete safetensors (never
+    `pytorch_model.bin`); with `trust_remote_code`, the model code files that config.json's auto_map names (and those
+    they import) are there and are Python that defines the named classes; with `need_tokenizer`, the tokenizer
+    (`check_tokenizer_matches`).
 
     Raises:
         CheckError: naming the file at fault, what is wrong and what to do.
     """
     from .configuration_vaswani import VaswaniConfig
+    from .inputs_vaswani import check_config_fields, check_generation_file
 
     folder = Path(folder)
     config_path = folder / "config.json"
@@ -317,16 +328,35 @@ def check_model_folder(folder: str | os.PathLike, *, need_tokenizer: bool = True
                          f"run, one of its checkpoint-<step> folders, or an exported folder.")
     parsed = {path.name: read_json(path) for path in sorted(folder.glob("*.json"))}
     config = parsed["config.json"]
-    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise CheckError(f"{config_path}: expected a JSON object of the model's settings, got "
+                         f"{type(config).__name__}; the file is damaged. Copy the folder again.")
+    model_type = config.get("model_type")
     if model_type != "vaswani":
-        architectures = ", ".join(config.get("architectures") or []) if isinstance(config, dict) else ""
+        architectures = config.get("architectures")
+        named = ", ".join(map(str, architectures)) if isinstance(architectures, list) else ""
         raise CheckError(
-            f"{config_path}: model_type is {model_type!r}{f' ({architectures})' if architectures else ''}, not "
+            f"{config_path}: model_type is {model_type!r}{f' ({named})' if named else ''}, not "
             f"'vaswani'. This command runs models trained by this project; load other models with their own classes.")
     try:
+        check_config_fields(config, str(config_path))
         vaswani_config = VaswaniConfig.from_dict(dict(config))
+    except CheckError:
+        raise
     except ValueError as error:
-        raise CheckError(f"{config_path}: {str(error).removeprefix('config.json: ')}") from None
+        raise CheckError(f"{config_path}: {str(error).removeprefix(f'{config_path}: ').removeprefix('config.json: ')}"
+                         ) from None
+    generation_path = folder / "generation_config.json"
+    if "generation_config.json" in parsed:
+        generation = parsed["generation_config.json"]
+        if not isinstance(generation, dict):
+            raise CheckError(f"{generation_path}: expected a JSON object of generation settings, got "
+                             f"{type(generation).__name__}. Write it anew: model.generation_config.save_pretrained("
+                             f"folder).")
+        try:
+            check_generation_file(generation, str(generation_path), config)
+        except ValueError as error:
+            raise CheckError(str(error)) from None
     weights = weights_problems(folder)
     if weights:
         if not (folder / "model.safetensors").exists() and (folder / "pytorch_model.bin").exists():
@@ -336,27 +366,148 @@ def check_model_folder(folder: str | os.PathLike, *, need_tokenizer: bool = True
                 f"(safetensors is the default), loading the pickle only if you trust where it came from.")
         raise CheckError(f"{folder}: the weights cannot be used ({'; '.join(weights)}). The save did not finish or "
                          f"the file was damaged; copy it again or use another checkpoint.")
+    _check_weights_fit_config(folder, vaswani_config)
+    if trust_remote_code:
+        check_model_code(folder, config.get("auto_map"))
     if need_tokenizer:
-        check_tokenizer_matches(folder, vaswani_config)
+        check_tokenizer_matches(folder, vaswani_config, trust_remote_code=trust_remote_code)
 
 
-def check_tokenizer_matches(folder: str | os.PathLike, config) -> None:
-    """Refuse a tokenizer whose size or special token ids differ from the model's config: it would translate garbage
-    without a word (every id means another token).
+def _check_weights_fit_config(folder: Path, config) -> None:
+    """The weights' names and shapes (headers only) against the model `config` builds, on the meta device
+    (`loading_vaswani.check_weights_fit`). The demo's Space ships this module without the model code: there the
+    model's own `from_pretrained` runs the same check."""
+    try:
+        import torch
+
+        from .loading_vaswani import check_weights_fit
+        from .modeling_vaswani import VaswaniForConditionalGeneration
+    except ImportError:
+        return
+    with torch.device("meta"):
+        model = VaswaniForConditionalGeneration(config)
+    try:
+        check_weights_fit(model, folder)
+    except (OSError, ValueError) as error:
+        raise CheckError(str(error)) from None
+
+
+def check_model_code(folder: str | os.PathLike, auto_map) -> None:
+    """With `trust_remote_code=True` transformers runs the model code saved in the folder: each module that
+    config.json's `auto_map` names, and the modules they import relatively, must be there, be whole (not empty, ending
+    in a newline as every saved code file does) and be Python that defines the classes named and the names the other
+    modules import from it (a truncated file would fail inside transformers' import, or define too little).
 
     Raises:
-        CheckError: no tokenizer.json, one that does not load, or one that does not match `config`.
+        CheckError: no auto_map, or a missing, empty or cut-off file, a file that is not Python, a name not defined;
+            naming the file.
+    """
+    import ast
+
+    folder = Path(folder)
+    if not isinstance(auto_map, dict) or not auto_map:
+        raise CheckError(f"{folder / 'config.json'}: no auto_map naming the model's code files, so it cannot load with "
+                         f"--trust_remote_code. Re-save the model with vaswani_hf installed (save_pretrained writes "
+                         f"auto_map and the code files), or load it without --trust_remote_code.")
+    wanted: dict[str, set[str]] = {}  # module -> the names auto_map or the other code files take from it
+    for reference in auto_map.values():
+        for entry in reference if isinstance(reference, list) else [reference]:
+            if isinstance(entry, str) and "." in entry:
+                module, name = entry.split("--")[-1].rsplit(".", 1)
+                wanted.setdefault(module, set()).add(name)
+    trees = {}
+    pending = list(wanted)
+    while pending:
+        module = pending.pop()
+        if module in trees:
+            continue
+        path = folder / f"{module}.py"
+        if not path.is_file():
+            raise CheckError(f"{path}: no such file; the model's code (config.json's auto_map) needs it with "
+                             f"--trust_remote_code. Copy the folder again with its code files.")
+        source = path.read_bytes()
+        if not source.endswith(b"\n"):
+            raise CheckError(f"{path}: {'empty' if not source else 'cut off (it does not end with a newline)'}; the "
+                             f"file is truncated or damaged. Copy the folder again with its code files.")
+        try:
+            trees[module] = tree = ast.parse(source, filename=str(path))
+        except (SyntaxError, ValueError) as error:
+            where = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
+            raise CheckError(f"{path}: not valid Python{where} ({getattr(error, 'msg', error)}); the file is truncated "
+                             f"or damaged. Copy the folder again with its code files.") from None
+        for node in _statements(tree.body):  # the neighbours this module imports, and what it takes from each
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                neighbour = node.module.split(".")[0]
+                wanted.setdefault(neighbour, set()).update(alias.name for alias in node.names if alias.name != "*")
+                pending.append(neighbour)
+    for module, tree in trees.items():
+        missing = sorted(wanted.get(module, set()) - _top_level_names(tree.body))
+        if missing:
+            raise CheckError(f"{folder / f'{module}.py'}: defines no {', '.join(missing)}, which config.json's "
+                             f"auto_map or the other code files take from it; the file is truncated or from another "
+                             f"model. Copy the folder again with its code files.")
+
+
+def _statements(body: list):
+    """Every statement of `body` and of the blocks nested in it (functions, classes, branches), expressions skipped:
+    where imports can be."""
+    for node in body:
+        yield node
+        for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(node, block, None)
+            if isinstance(inner, list):
+                yield from _statements(inner)
+
+
+def _top_level_names(body: list) -> set[str]:
+    """The names a module's statements `body` define at its top level (inside `if` and `try` blocks too)."""
+    import ast
+
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {leaf.id for target in targets for leaf in ast.walk(target) if isinstance(leaf, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
+            blocks += [handler.body for handler in getattr(node, "handlers", [])]
+            names |= set().union(*(_top_level_names(block) for block in blocks))
+    return names
+
+
+def check_tokenizer_matches(folder: str | os.PathLike, config, *, trust_remote_code: bool = False) -> None:
+    """Refuse a tokenizer that is not whole or does not belong to the model's config: it would translate garbage
+    without a word (every id means another token), or stop in transformers' messages about padding tokens.
+
+    Checks tokenizer.json and tokenizer_config.json exist (the second holds the special tokens: without it the
+    tokenizer has no padding, start or end token) and are JSON objects, the tokenizer loads, has exactly `vocab_size`
+    entries, and its padding, start and end token ids are the config's.
+
+    Raises:
+        CheckError: naming the file at fault.
     """
     folder = Path(folder)
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise CheckError(f"{folder}: no tokenizer.json beside the model. Save the tokenizer with the model "
                          f"(tokenizer.save_pretrained(folder)); vaswani-train does so in --output_dir.")
-    read_json(path)
+    settings_path = folder / "tokenizer_config.json"
+    if not settings_path.is_file():
+        raise CheckError(f"{settings_path}: no such file; it names the tokenizer's padding, start and end tokens, and "
+                         f"without it the tokenizer has none. Save the tokenizer with the model "
+                         f"(tokenizer.save_pretrained(folder)), or copy the folder again.")
+    for file in (path, settings_path):
+        if not isinstance(read_json(file), dict):
+            raise CheckError(f"{file}: expected a JSON object, got another JSON value; the file is damaged. Save the "
+                             f"tokenizer with the model again (tokenizer.save_pretrained(folder)).")
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception as error:  # tokenizers raises a bare Exception for a malformed model section
         raise CheckError(f"{path}: the tokenizer cannot be loaded ({type(error).__name__}: {error}); the file is "
                          f"damaged. Copy it again with the model, or save the tokenizer beside it again.") from None
@@ -366,6 +517,7 @@ def check_tokenizer_matches(folder: str | os.PathLike, config) -> None:
                          f"model. Put the tokenizer saved with the model beside it.")
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         ours, theirs = getattr(config, name), getattr(tokenizer, name, None)
-        if theirs is not None and ours is not None and ours != theirs:
-            raise CheckError(f"{path}: the tokenizer's {name} is {theirs} but config.json says {ours}: this tokenizer "
-                             f"does not belong to this model. Put the tokenizer saved with the model beside it.")
+        if ours is not None and ours != theirs:
+            raise CheckError(f"{settings_path}: the tokenizer's {name} is {theirs} but config.json says {ours}: this "
+                             f"tokenizer does not belong to this model. Put the tokenizer saved with the model beside "
+                             f"it.")

@@ -1,8 +1,9 @@
 """What the model is given, checked where transformers or torch would fail deep inside or not at all: token ids inside
 the vocabulary (`check_input_ids`), masks and labels that fit the ids they go with (`check_model_inputs`), labels
-inside the target vocabulary (`check_labels`), encoder rows that pair with the decoder's (`check_encoder_rows`), and
-generation settings of the right types (`check_generation_values`). Each raises a `ValueError` that says what was
-wrong and how to put it right.
+inside the target vocabulary (`check_labels`), encoder rows that pair with the decoder's (`check_encoder_rows`),
+generation settings of the right types (`check_generation_values`), and of a saved folder: a config.json that holds
+every field a save writes (`check_config_fields`) and a generation_config.json that agrees with it
+(`check_generation_file`). Each raises a `ValueError` that says what was wrong and how to put it right.
 
 It imports only torch: transformers copies it beside the model code (relative imports) for `trust_remote_code=True`.
 """
@@ -253,3 +254,71 @@ def check_generation_values(values: Mapping, where: str) -> None:
         if not good:
             raise ValueError(f"{where}: {name} must be {expected}, got {value!r}. Pass or write it as "
                              f"{expected.split(' (')[0]} (in JSON without quotes for numbers and true/false).")
+
+
+# The fields of config.json that decide the weights' shapes or what the model computes; `save_pretrained` writes every
+# one, and a config.json without one would build another model from the defaults without a word.
+REQUIRED_CONFIG_FIELDS = ("vocab_size", "target_vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads",
+                          "d_ff", "dropout", "attention_dropout", "activation_dropout", "activation_function",
+                          "normalize_before", "position_embedding_type", "max_position_embeddings",
+                          "share_encoder_decoder_embeddings", "tie_word_embeddings", "scale_embedding",
+                          "layer_norm_eps", "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+LENGTH_PENALTY_STYLES = ("hf", "gnmt")  # the forms generate() applies (generation_vaswani.length_penalty_style)
+
+
+def check_config_fields(values: Mapping, where: str) -> None:
+    """Refuse a saved config.json that lacks a field of `REQUIRED_CONFIG_FIELDS` (edited by hand, or written by other
+    code): the default would stand in for it, and the model built would not be the one whose weights lie beside it
+    (transformers then speaks of `ignore_mismatched_sizes`) or would compute something else (another activation).
+    The values themselves are checked by `VaswaniConfig`.
+
+    Raises:
+        ValueError: naming `where` and the missing fields.
+    """
+    missing = [name for name in REQUIRED_CONFIG_FIELDS if name not in values]
+    if missing:
+        raise ValueError(f"{where}: no {', '.join(missing)} field{'s' if len(missing) > 1 else ''}; a saved config "
+                         "holds every field of the model (its sizes, layout and special token ids), and a default in "
+                         "place of a missing one would build another model than the weights'. Copy the folder's "
+                         "config.json again, or write it anew from the model: model.config.save_pretrained(folder).")
+
+
+def check_generation_file(values: Mapping, where: str, config: Mapping | None = None) -> None:
+    """Refuse a saved generation_config.json that `generate()` would apply wrongly or only fail on deep inside:
+    settings of the wrong type (`check_generation_values`: num_beams a positive integer, ...), a
+    `length_penalty_style` other than "hf" or "gnmt" ("gnmt" with beams needs `early_stopping: true`), and, given the
+    folder's `config` (config.json's fields), special token ids outside the model's target vocabulary or other than
+    the config's (the output would stop or start on another token).
+
+    Raises:
+        ValueError: naming `where`, the field and what it must be.
+    """
+    check_generation_values(values, where)
+    style = values.get("length_penalty_style")
+    if style is not None and style not in LENGTH_PENALTY_STYLES:
+        raise ValueError(f"{where}: length_penalty_style must be \"hf\" (score / |Y|^alpha) or \"gnmt\" (the paper's "
+                         f"score / ((5 + |Y|) / 6)^alpha), got {style!r}.")
+    if style == "gnmt" and (values.get("num_beams") or 1) > 1 and values.get("early_stopping") is not True:
+        raise ValueError(f"{where}: length_penalty_style \"gnmt\" in a beam search needs \"early_stopping\": true, "
+                         f"got {values.get('early_stopping')!r} (transformers' other stopping rules assume |Y|^alpha).")
+    if config is None:
+        return
+    vocabulary = config.get("target_vocab_size") or config.get("vocab_size")
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        value, ours = values.get(name), config.get(name)
+        if value is None:
+            continue
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        if _is_integer(vocabulary) and any(i >= vocabulary for i in ids):
+            raise ValueError(f"{where}: {name} is {value!r}, outside the model's vocabulary of {vocabulary} entries "
+                             f"(config.json). Write the generation config anew from the model: "
+                             f"model.generation_config.save_pretrained(folder).")
+        theirs = ours if isinstance(ours, list) else [ours]
+        if not theirs or not all(_is_integer(i) and 0 <= i < (vocabulary if _is_integer(vocabulary) else i + 1)
+                                 for i in theirs):
+            continue  # no id, or an impossible one: config.json's own check names it
+        agrees = value == ours or (name == "eos_token_id" and _is_integer(ours) and ours in ids)
+        if not agrees:
+            raise ValueError(f"{where}: {name} is {value!r} but config.json says {ours!r}: generate() would start, "
+                             f"stop or pad on another token than the model was trained with. Write the generation "
+                             f"config anew from the model: model.generation_config.save_pretrained(folder).")

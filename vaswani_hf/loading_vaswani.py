@@ -1,7 +1,8 @@
 """Loading for the models of `modeling_vaswani.py`: `from_pretrained`'s checks and the conversion of older checkpoints.
 
 - `VaswaniLoadingMixin`: `from_pretrained` reading safetensors only and refusing weights that cannot be right (an
-  unreadable file, NaN or infinity, a tensor missing from or foreign to a local folder), converting checkpoints written
+  unreadable file, NaN or infinity, a tensor missing from or foreign to a local folder), a config.json without a field
+  of the model and a generation_config.json that does not fit it (inputs_vaswani.py), converting checkpoints written
   with fused attention input projections, and untying the shared embedding on request (its tensor copied into each
   embedding and `lm_head`);
 - `split_fused_projections`: `qkv_proj` / `kv_proj` checkpoint keys as the `q_proj`, `k_proj`, `v_proj` of §3.2.2.
@@ -20,7 +21,7 @@ from torch import nn
 from transformers import GenerationConfig, PretrainedConfig
 from transformers.utils import cached_file, logging
 
-from .inputs_vaswani import check_generation_values
+from .inputs_vaswani import check_config_fields, check_generation_file
 
 logger = logging.get_logger(__name__)
 
@@ -48,14 +49,24 @@ def split_fused_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, to
 def _saved_config(path, kwargs: dict, options: dict) -> dict:
     """The fields of the config.json that was saved with the weights at `path` (or `config=` when that names another
     folder); `{}` where there is none to read."""
+    saved = _saved_config_file(path, kwargs, options)[1]
+    return saved if isinstance(saved, dict) else {}
+
+
+def _saved_config_file(path, kwargs: dict, options: dict) -> tuple[str | None, object]:
+    """`(file, parsed JSON)` of the config.json that was saved with the weights at `path` (or `config=` when that
+    names another folder); `(None, {})` where there is none to read.
+
+    Raises:
+        OSError, ValueError: the file cannot be read or is not JSON (transformers' own loading reports it).
+    """
     source = kwargs.get("config") if isinstance(kwargs.get("config"), (str, os.PathLike)) else path
     file = cached_file(source, "config.json", _raise_exceptions_for_missing_entries=False,
                        _raise_exceptions_for_connection_errors=False, **options)
     if file is None:
-        return {}
+        return None, {}
     with open(file, encoding="utf-8") as handle:
-        saved = json.load(handle)
-    return saved if isinstance(saved, dict) else {}
+        return file, json.load(handle)
 
 
 def _untied_copies(cls, path, kwargs: dict, options: dict, names: set[str]) -> tuple[dict[str, str], set[str]]:
@@ -116,9 +127,56 @@ def _read_checkpoint_to_convert(cls, path, kwargs: dict) -> dict[str, torch.Tens
     return split_fused_projections(state_dict) if fused else state_dict
 
 
+def _config_for_checks(path, kwargs: dict, options: dict) -> tuple[str | None, dict | None]:
+    """`(file, fields)` of the config the model will be built from, for the checks of the files saved with it: the
+    saved config.json of a vaswani model, also where `config=` is the object loaded from it (as the Auto classes pass
+    it); `(None, fields of the object)` for a `config=` of the caller's own; `(None, None)` where there is none or it
+    cannot be read here (transformers' own loading reports that).
+
+    Raises:
+        ValueError: config.json is JSON but not an object, naming it.
+    """
+    given = kwargs.get("config")
+    if isinstance(given, PretrainedConfig) and os.fspath(given.name_or_path or "") != os.fspath(path):
+        return None, given.to_dict()
+    try:
+        file, saved = _saved_config_file(path, {} if isinstance(given, PretrainedConfig) else kwargs, options)
+    except (OSError, ValueError):
+        return None, None
+    if file is not None and not isinstance(saved, dict):
+        raise ValueError(f"{file}: expected a JSON object of the model's settings, got {type(saved).__name__}; the "
+                         "file is damaged. Copy the folder again.")
+    if file is None or saved.get("model_type") not in (None, "vaswani"):
+        return None, None  # no config.json, or another model's: VaswaniConfig refuses it naming the file
+    return file, saved
+
+
+def _check_saved_config_fields(path, kwargs: dict) -> None:
+    """Refuse a saved config.json that is not a JSON object or lacks a field of the model (`check_config_fields`): the
+    default would build another model than the weights' (transformers would speak of `ignore_mismatched_sizes`,
+    naming no file) or one that computes something else. Fields given as keywords (`from_pretrained(path,
+    d_model=...)`) count as present; a `config=` object of the caller's own is not the file's.
+
+    Raises:
+        OSError: a local folder without config.json (and no `config=`). ValueError: naming the config.json and the
+            missing fields.
+    """
+    options = {name: kwargs[name] for name in _HUB_OPTIONS if kwargs.get(name) is not None}
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and kwargs.get("config") is None:
+        where = os.path.join(path, kwargs.get("subfolder") or "", "config.json")
+        if not os.path.isfile(where):  # the defaults would build the base model, whose weights these are not
+            raise OSError(f"{where}: no such file; a saved model folder holds its config.json beside the weights. Copy "
+                          "the folder again, or pass the model's config (config=...).")
+    file, saved = _config_for_checks(path, kwargs, options)
+    if file is not None:
+        check_config_fields({**saved, **kwargs}, file)
+
+
 def _check_generation_config_file(path, kwargs: dict) -> None:
     """Refuse a generation_config.json beside the weights that is not valid JSON (truncated: transformers would fall
-    back to default decoding without a word) or holds a setting of the wrong type (`check_generation_values`).
+    back to default decoding without a word) or that `generate()` would apply wrongly (`check_generation_file`: a
+    setting of the wrong type, an unknown length penalty style, special token ids outside the model's vocabulary or
+    other than its config's).
 
     Raises:
         ValueError: naming the file and what is wrong with it.
@@ -143,7 +201,11 @@ def _check_generation_config_file(path, kwargs: dict) -> None:
     if not isinstance(values, dict):
         raise ValueError(f"{file}: a generation config is a JSON object of settings, got {type(values).__name__}. "
                          "Write it anew: model.generation_config.save_pretrained(folder).")
-    check_generation_values(values, file)
+    try:
+        config = _config_for_checks(path, kwargs, options)[1]
+    except (OSError, ValueError):
+        config = None
+    check_generation_file(values, file, config)
 
 
 def _saved_weight_names(folder: str) -> tuple[str, set[str]] | None:
@@ -169,8 +231,91 @@ def _saved_weight_names(folder: str) -> tuple[str, set[str]] | None:
     return None
 
 
+def _saved_weight_shapes(folder: str) -> tuple[str, dict[str, tuple[int, ...]]] | None:
+    """`(file, {name: shape})` of a folder's safetensors weights (model.safetensors, or every shard its index lists),
+    fused input projections given the names and shapes `split_fused_projections` gives them; `None` without weights.
+
+    Raises:
+        OSError: a weights file cannot be read. ValueError: the index cannot be read.
+    """
+    single, index = os.path.join(folder, "model.safetensors"), os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        where, files = single, [single]
+    elif os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as handle:
+                where, files = index, sorted({os.path.join(folder, shard)
+                                              for shard in json.load(handle)["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{index}: unreadable ({error}); copy the weights again.") from None
+    else:
+        return None
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for key in handle.keys():
+                    shape = tuple(handle.get_slice(key).get_shape())
+                    for fused, names in _FUSED_PROJECTIONS:
+                        if f".{fused}." in key:
+                            head, tail = key.split(f".{fused}.")
+                            for name in names:
+                                shapes[f"{head}.{name}.{tail}"] = (shape[0] // len(names), *shape[1:])
+                            break
+                    else:
+                        shapes[key] = shape
+        except (OSError, SafetensorError) as error:
+            raise OSError(f"{file}: unreadable header ({error}); copy the weights again.") from None
+    return where, shapes
+
+
+def check_weights_fit(model: nn.Module, folder: str | os.PathLike) -> None:
+    """Refuse a local folder whose safetensors weights do not fit `model`, built from the folder's config.json (on the
+    meta device, say): a weight of the model missing from the file, a tensor the model has no place for
+    (`_check_loaded_weight_names`), or a tensor of another shape than the model's (transformers would stop on it with
+    its advice to pass `ignore_mismatched_sizes`, naming no file). Reads the files' headers only.
+
+    Raises:
+        ValueError: naming the weights file, config.json and up to three tensors.
+    """
+    found = _saved_weight_shapes(os.fspath(folder))
+    if found is None:
+        return
+    where, shapes = found
+    _check_loaded_weight_names(model, folder, {}, converted=set(shapes), where=where)
+    state = model.state_dict()
+    prefix = f"{model.base_model_prefix}."
+    has_base = hasattr(model, model.base_model_prefix)
+    if not has_base and shapes and all(name.startswith(prefix) for name in shapes):
+        shapes = {name[len(prefix):]: shape for name, shape in shapes.items()}
+    elif has_base and shapes and not any(name.startswith(prefix) for name in shapes):
+        shapes = {prefix + name: shape for name, shape in shapes.items()}
+    wrong = [f"{name} {shape} in the file, {tuple(state[name].shape)} in the model" for name, shape in
+             sorted(shapes.items()) if name in state and tuple(state[name].shape) != shape]
+    if wrong:
+        raise ValueError(
+            f"{where}: {len(wrong)} tensor(s) have another shape than {os.path.join(folder, 'config.json')} gives "
+            f"them ({'; '.join(wrong[:3])}{'; ...' if len(wrong) > 3 else ''}): config.json was edited, or the weights "
+            "belong to another model. Copy the folder again, config.json with its weights.")
+
+
+def _refuse_mismatched_shapes(cls, path, kwargs: dict) -> None:
+    """After transformers refused weights of other shapes than the config gives them (its `ignore_mismatched_sizes`
+    error, which names no file): raise `check_weights_fit`'s error for a local folder, naming the files and tensors;
+    return for anything else (the caller re-raises transformers' error)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        return
+    folder = os.path.join(path, kwargs.get("subfolder") or "")
+    config = kwargs.get("config")
+    if not isinstance(config, PretrainedConfig):
+        config = cls.config_class.from_pretrained(folder)
+    with torch.device("meta"):
+        model = cls(config)
+    check_weights_fit(model, folder)
+
+
 def _check_loaded_weight_names(model: nn.Module, name_or_path, kwargs: dict,
-                               converted: set[str] | None = None) -> None:
+                               converted: set[str] | None = None, where: str | None = None) -> None:
     """Refuse a local folder whose safetensors weights lack a tensor of `model` or hold one it has no place for.
 
     Tied parameters (the shared embedding, §3.4) are stored once, so a group of names that share one tensor needs any
@@ -189,7 +334,7 @@ def _check_loaded_weight_names(model: nn.Module, name_or_path, kwargs: dict,
         return
     folder = os.path.join(name_or_path, kwargs.get("subfolder") or "")
     if converted is not None:  # a checkpoint with fused projections, its names already converted
-        where, saved = os.path.join(folder, "model.safetensors"), set(converted)
+        where, saved = where or os.path.join(folder, "model.safetensors"), set(converted)
     else:
         found = _saved_weight_names(folder)
         if found is None:
@@ -306,11 +451,15 @@ class VaswaniLoadingMixin:
         `device_map` with CPU or disk offload (`offload_folder`) loads as transformers does.
 
         Raises:
-            OSError: no safetensors weights, or the weights file cannot be read. ValueError: a weight holds NaN/inf,
-                model.safetensors lacks weights of the model or holds unexpected ones, or generation_config.json is
-                truncated or holds a setting of the wrong type (the file named in each case).
+            OSError: no safetensors weights, or the weights file cannot be read. ValueError: config.json lacks a field
+                of the model (`check_config_fields`), a weight holds NaN/inf, model.safetensors lacks weights of the
+                model, holds unexpected ones or ones of other shapes than config.json gives them
+                (`check_weights_fit`), or generation_config.json is truncated or holds a setting that
+                `check_generation_file` refuses (the file named in each case).
         """
         kwargs.setdefault("use_safetensors", True)
+        if pretrained_model_name_or_path is not None:
+            _check_saved_config_fields(pretrained_model_name_or_path, kwargs)
         if pretrained_model_name_or_path is not None and cls.can_generate():
             _check_generation_config_file(pretrained_model_name_or_path, kwargs)
         converted = None
@@ -327,6 +476,10 @@ class VaswaniLoadingMixin:
                     "It is truncated or corrupted, e.g. by a copy, download or save that did not finish; copy or "
                     "download it again, or load another checkpoint."
                 ) from error
+            except RuntimeError as error:
+                if "ignore_mismatched_sizes" in str(error):  # weights of other shapes than config.json's
+                    _refuse_mismatched_shapes(cls, pretrained_model_name_or_path, kwargs)
+                raise
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         if converted is None and not kwargs.get("output_loading_info"):
             _check_loaded_weight_names(model, pretrained_model_name_or_path, kwargs)
