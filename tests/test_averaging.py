@@ -28,11 +28,11 @@ def _save(model, folder):
 
 @pytest.fixture
 def run_dir(tmp_path, tiny_tokenizer):
-    """A Trainer-like output_dir: four checkpoints of differently seeded tiny models, the newest with a tokenizer,
-    optimizer state and trainer_state.json beside the model."""
+    """A Trainer-like output_dir: four checkpoints of differently seeded tiny models sized to the tokenizer, the newest
+    with the tokenizer, optimizer state and trainer_state.json beside the model."""
     run = tmp_path / "run"
     for seed, step in enumerate(STEPS):
-        folder = _save(tiny_model(seed=seed), run / f"checkpoint-{step}")
+        folder = _save(tiny_model(seed=seed, vocab_size=len(tiny_tokenizer)), run / f"checkpoint-{step}")
         (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
         (folder / "optimizer.pt").write_bytes(b"not a tensor file")
     tiny_tokenizer.save_pretrained(run / "checkpoint-10000")
@@ -165,8 +165,8 @@ def test_a_truncated_checkpoint_is_refused_naming_it(run_dir, tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(SystemExit) as error:
         average_main(["--checkpoint_dir", str(run_dir), "--last", "2", "--output_dir", str(tmp_path / "out")])
-    assert f"{run_dir / 'checkpoint-1000'}: cannot average this checkpoint (model.safetensors is truncated" in str(
-        error.value)
+    assert f"{run_dir / 'checkpoint-1000'}: the weights cannot be used (model.safetensors is truncated" in str(
+        error.value)  # check_model_folder's words, before any weights are read
     assert not (tmp_path / "out").exists()
 
 

@@ -6,7 +6,9 @@ for base models, the last 20 for big ones), like fairseq's `scripts/average_chec
 
 `checkpoint-<step>` folders are ordered by step number. The output folder is a normal model folder (weights,
 config, generation config, tokenizer) that `AutoModelForSeq2SeqLM.from_pretrained` and `vaswani-translate` load.
-Weights are read with safetensors only; a truncated checkpoint or one holding NaN is refused, naming it.
+Weights are read with safetensors only; a truncated checkpoint or one holding NaN is refused, naming it. Each
+checkpoint must pass `check_model_folder` first, and the newest, whose tokenizer the average carries, with its
+tokenizer.
 
 The output is written whole under a temporary name beside `--output_dir`, then renamed. It must be a new folder or an
 earlier average (holding only what an average writes), and never a `checkpoint-<step>` name, which resuming, averaging
@@ -42,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         average_checkpoints,
         average_last_checkpoints,
         check_average_output,
+        find_checkpoints,
         save_averaged_model,
     )
-    from vaswani_hf.checks import CheckError, check_output_dir, check_output_not_in_inputs
+    from vaswani_hf.checks import CheckError, check_model_folder, check_output_dir, check_output_not_in_inputs
 
     try:
         output = Path(args.output_dir)
@@ -58,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         check_output_not_in_inputs(args.output_dir, inputs, input_flag="--checkpoint_dir" if args.checkpoint_dir
                                    else "--checkpoints", allow_inside=True)
         check_output_dir(args.output_dir)
+        if args.checkpoint_dir is not None:
+            chosen = find_checkpoints(args.checkpoint_dir)[-args.num_checkpoints:] if args.num_checkpoints > 0 else []
+        else:
+            chosen = [Path(p) for p in args.checkpoints]
+        for folder in chosen:  # whole model folders; the newest's config and tokenizer go into the average
+            check_model_folder(folder, need_tokenizer=folder == chosen[-1])
         if args.checkpoint_dir is not None:
             used = average_last_checkpoints(args.checkpoint_dir, args.num_checkpoints, args.output_dir)
         else:

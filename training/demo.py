@@ -44,14 +44,20 @@ EXAMPLE_SOURCES = {"de": "Zwei junge Männer spielen auf einer Wiese Fußball, w
 
 def load_model(model_dir: str, *, trust_remote_code: bool = False, device: str = "cpu"):
     """The model (eval mode, on `device`) and tokenizer of a saved folder; with vaswani_hf installed, or from the
-    folder's own code files with `trust_remote_code=True` (a Space)."""
+    folder's own code files with `trust_remote_code=True` (a Space), which both loads are given.
+
+    Raises:
+        CheckError: the folder fails `check_model_folder` (as for vaswani-translate): a missing or damaged file, a
+            config.json without a field of the model, a tokenizer that does not belong to the model, ...
+    """
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     try:
         import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
     except ImportError:
         pass
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    core.check_model_folder(model_dir, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code,
                                                   use_safetensors=True)
     return model.to(device).eval(), tokenizer
@@ -184,9 +190,11 @@ def build_demo(model, tokenizer, *, title: str = "Attention Is All You Need: see
                                  elem_id="translation")
         hypotheses = gr.Radio(label=f"n-best hypotheses (score: log-probability / {penalty.split(',')[0]})", choices=[],
                               elem_id="hypotheses")
-        with gr.Row():
-            layer = gr.Slider(1, page.num_layers, value=page.num_layers, step=1, label="Layer", elem_id="layer")
-            head = gr.Slider(1, page.num_heads, value=1, step=1, label="Head (enlarged)", elem_id="head")
+        with gr.Row():  # a slider needs two choices: one layer or one head leaves nothing to choose, and it is hidden
+            layer = gr.Slider(1, max(page.num_layers, 2), value=page.num_layers, step=1, label="Layer",
+                              elem_id="layer", visible=page.num_layers > 1)
+            head = gr.Slider(1, max(page.num_heads, 2), value=1, step=1, label="Head (enlarged)", elem_id="head",
+                             visible=page.num_heads > 1)
             kind = gr.Radio([(label, k) for k, label in core.KIND_TITLES.items()], value="cross",
                             label="Enlarged attention", elem_id="kind")
         gr.Markdown("Each picture is one kind of attention of the chosen layer, a heatmap per head (numbered), one "
@@ -262,20 +270,21 @@ def space_requirements() -> list[str]:
 def space_files(source_lang: str = "de") -> dict[str, str]:
     """The files a Space needs beside a published model, by path relative to the folder: `app.py` (runs this page
     for the folder's model, loaded with `trust_remote_code=True`), `requirements.txt`, and `vaswani_demo/` holding this
-    module as `page.py` with the `vaswani_hf` modules the page's core uses, in their folders: `checks.py`,
-    `decoding/translate.py`, `pictures/attention.py`, `pictures/positions.py` and `pictures/demo.py` (they import only
-    each other, torch, matplotlib and Pillow; each folder gets an `__init__.py` of its own that imports nothing), so
-    the Space needs no vaswani_hf."""
+    module as `page.py` with the `vaswani_hf` modules the page's core uses, in their folders: `checks.py` with the
+    `configuration_vaswani.py` and `inputs_vaswani.py` its model-folder check reads, `decoding/translate.py`,
+    `pictures/attention.py`, `pictures/positions.py` and `pictures/demo.py` (they import only each other, torch,
+    transformers, matplotlib and Pillow; each folder gets an `__init__.py` of its own that imports nothing), so the
+    Space needs no vaswani_hf."""
     from pathlib import Path
 
-    from vaswani_hf import checks
+    from vaswani_hf import checks, configuration_vaswani, inputs_vaswani
     from vaswani_hf.decoding import translate
     from vaswani_hf.pictures import attention, positions
 
     package_doc = '"""The vaswani-demo page and the vaswani_hf modules it uses."""\n'
     files = {f"{SPACE_PACKAGE}/__init__.py": package_doc, f"{SPACE_PACKAGE}/page.py": Path(__file__).read_text(
         encoding="utf-8")}
-    for module in (checks, translate, attention, positions, core):
+    for module in (checks, configuration_vaswani, inputs_vaswani, translate, attention, positions, core):
         # vaswani_hf.decoding.translate -> vaswani_demo/decoding/translate.py, beside an __init__.py of its own
         *folders, name = module.__name__.split(".")[1:]
         for depth in range(1, len(folders) + 1):
@@ -329,8 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if args.concurrency < 1:
         raise SystemExit(f"--concurrency must be >= 1, got {args.concurrency}.")
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise SystemExit(f"--model {args.model}: not a saved model folder (no config.json).")
     try:
         model, tokenizer = load_model(args.model, trust_remote_code=args.trust_remote_code, device=args.device)
         demo = build_demo(model, tokenizer, source_lang=args.source_lang, model_dir=args.model)

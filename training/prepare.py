@@ -203,23 +203,32 @@ def is_multi30k(data_args: DataArguments) -> bool:
     return not (data_args.train_file or data_args.dataset_name)
 
 
+def is_local_dataset(data_args: DataArguments) -> bool:
+    """True when --dataset_name is a local folder (or file), which `datasets.load_dataset` reads as such: local data,
+    never a Hub dataset id."""
+    return bool(data_args.dataset_name) and Path(data_args.dataset_name).expanduser().exists()
+
+
 def dataset_label(data_args: DataArguments) -> str:
-    """What the run trained on, for metrics.json and the model card: "multi30k", the Hub dataset name, or the
-    training file's name."""
+    """What the run trained on, for metrics.json and the model card: "multi30k", the Hub dataset name, or the name
+    (never the path) of the local folder or training file."""
     if is_multi30k(data_args):
         return "multi30k"
     if data_args.dataset_name:
-        return data_args.dataset_name
+        return Path(data_args.dataset_name).name if is_local_dataset(data_args) else data_args.dataset_name
     return Path(data_args.train_file).name
 
 
 def data_sources(data_args: DataArguments) -> dict[str, Any]:
     """Where the run's data came from, by name, for metrics.json and the model card:
-    `{"kind": "multi30k"}` (the shipped copy), `{"kind": "hub", "name": ..., "config": ...}`, or
-    `{"kind": "files", "train": [...], "validation": [...], "test": [...]}` with the files each split read, as given
-    on the command line (a prefix expanded to its two language files)."""
+    `{"kind": "multi30k"}` (the shipped copy), `{"kind": "hub", "name": ..., "config": ...}`, `{"kind": "local",
+    "path": ..., "config": ...}` for a --dataset_name that is a local folder, or `{"kind": "files", "train": [...],
+    "validation": [...], "test": [...]}` with the files each split read, as given on the command line (a prefix
+    expanded to its two language files)."""
     if is_multi30k(data_args):
         return {"kind": "multi30k"}
+    if is_local_dataset(data_args):
+        return {"kind": "local", "path": data_args.dataset_name, "config": data_args.dataset_config_name}
     if data_args.dataset_name:
         return {"kind": "hub", "name": data_args.dataset_name, "config": data_args.dataset_config_name}
     files: dict[str, Any] = {"kind": "files"}

@@ -81,8 +81,8 @@ def card_data_for(metrics: dict[str, Any], *, model_name: str, source_lang: str,
     model-index lists the detokenized sacreBLEU and, on Multi30k, the lowercased tokenized BLEU of the test split.
     Without a test BLEU in `metrics` there is no model-index. `license` defaults to "other" (the Multi30k terms:
     non-commercial research and education) for Multi30k runs and models fine-tuned from one, and "unknown"
-    otherwise. `datasets` lists Hub dataset ids only (Multi30k's, a Hub dataset's), never a local file's name;
-    `base_model` the Hub id a fine-tuned model started from.
+    otherwise. `datasets` lists Hub dataset ids only (Multi30k's, a Hub dataset's), never a local file's or folder's
+    name or path (`local_folder`); `base_model` the Hub id a fine-tuned model started from.
     """
     from huggingface_hub import EvalResult, ModelCardData
 
@@ -90,9 +90,9 @@ def card_data_for(metrics: dict[str, Any], *, model_name: str, source_lang: str,
     multi30k = dataset == "multi30k"
     terms = multi30k or _base_trained_on_multi30k(metrics)
     license = license or ("other" if terms else "unknown")
-    # The Hub's `datasets` field holds dataset ids: Multi30k's or a Hub dataset's, never a local file's name.
-    kind = (metrics.get("data") or {}).get("kind")
-    hub_dataset = dataset if (multi30k or kind == "hub") else None
+    # The Hub's `datasets` field holds dataset ids: Multi30k's or a Hub dataset's, never a local file's or folder's.
+    data = metrics.get("data") or {}
+    hub_dataset = dataset if (multi30k or (data.get("kind") == "hub" and local_folder(data) is None)) else None
     pair = f"{source_lang}-{target_lang}"
     results = []
     scores = [("test_bleu", "test_bleu_signature", "SacreBLEU (detokenized)"),
@@ -133,10 +133,26 @@ def _files_phrase(files: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
+def local_folder(data: dict[str, Any] | None) -> str | None:
+    """The name (never the path) of the local folder a run's data came from (metrics.json's `data`, kind "local"; or
+    kind "hub" with a name that is a path, as runs recorded a local --dataset_name before there was a "local" kind),
+    or None for data from elsewhere."""
+    data = data or {}
+    if data.get("kind") == "local":
+        return Path(str(data.get("path") or data.get("name") or "")).name or "data"
+    name = data.get("name")
+    if data.get("kind") == "hub" and isinstance(name, str) and (
+            os.path.isabs(name) or name.startswith((".", "~")) or Path(name).expanduser().exists()):
+        return Path(name).name
+    return None
+
+
 def _test_set_name(metrics: dict[str, Any]) -> str:
     data = metrics.get("data") or {}
     if data.get("kind") == "files" and data.get("test"):
         return "test set: " + ", ".join(Path(name).name for name in data["test"])
+    if local_folder(data) is not None:
+        return f"local folder {local_folder(data)} (test split)"
     if data.get("kind") == "hub":
         return f"{data.get('name')} (test split)"
     return str(metrics.get("dataset") or "test set")
@@ -144,12 +160,15 @@ def _test_set_name(metrics: dict[str, Any]) -> str:
 
 def describe_data(data: dict[str, Any] | None, dataset: str | None, split: str = "train") -> str:
     """Words for the data of one split, from metrics.json's `data` (`training.prepare.data_sources`): "Multi30k (task 1,
-    image captions)", "the Hub dataset `wmt14` (config `de-en`)" or "the files `a.de` and `a.en`"; from the older
-    `dataset` label where there is no `data`; "" where nothing is known."""
+    image captions)", "the Hub dataset `wmt14` (config `de-en`)", "a local folder (`wmt`)" (its name, never its path)
+    or "the files `a.de` and `a.en`"; from the older `dataset` label where there is no `data`; "" where nothing is
+    known."""
     if data:
         kind = data.get("kind")
         if kind == "multi30k":
             return "Multi30k (task 1, image captions)"
+        if local_folder(data) is not None:
+            return f"a local folder (`{local_folder(data)}`)"
         if kind == "hub":
             config = f" (config `{data['config']}`)" if data.get("config") else ""
             return f"the Hub dataset `{data.get('name')}`{config}"
@@ -305,8 +324,9 @@ def write_hub_folder(model_dir: str | os.PathLike, output_dir: str | os.PathLike
         `output_dir` as a Path.
 
     Raises:
-        FileNotFoundError: `model_dir` has no config.json or no tokenizer; the template is missing.
-        ValueError: `model_dir` holds another kind of model; the metrics describe other weights.
+        CheckError (a ValueError): `model_dir` fails `check_model_folder` (no config.json, another kind of model, a
+            missing or damaged file, no tokenizer or one of another model, ...); the metrics describe other weights.
+        FileNotFoundError: the template is missing.
         FileExistsError: `output_dir` exists and `force` is False.
     """
     from transformers import AutoTokenizer
@@ -316,11 +336,9 @@ def write_hub_folder(model_dir: str | os.PathLike, output_dir: str | os.PathLike
     from vaswani_hf.checks import check_model_folder, check_output_dir, check_output_not_in_inputs, swap_in_folder
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
+    check_model_folder(model_dir)  # config, every JSON file, weights, tokenizer of the model's size
     # Replacing output_dir must never remove the model folder (a training run: checkpoints, metrics), --force or not.
     check_output_not_in_inputs(output_dir, [model_dir], allow_inside=allow_inside)
-    check_model_folder(model_dir)  # config, every JSON file, weights, tokenizer of the model's size
     check_output_dir(output_dir)
     if output_dir.exists() and not force:
         raise FileExistsError(f"{output_dir} exists; pass --force to replace it.")

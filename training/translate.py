@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from .inputs import check_device, check_sentence_lengths
 
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer
-        check_model_folder(model_dir)
+        check_model_folder(model_dir, trust_remote_code=args.trust_remote_code)
         device = check_device(args.device)
         if args.output != "-":  # found now, not after every sentence is translated
             check_output_file(args.output, flag="--output")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = decode_lines(path.read_bytes(), str(path))
     if not any(line.strip() for line in lines):
         raise SystemExit(f"No input sentences: {'stdin' if args.input == '-' else args.input} is empty.")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
     model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code,
                                                   use_safetensors=True).to(device)
     where = "stdin" if args.input == "-" else args.input

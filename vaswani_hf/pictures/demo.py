@@ -11,9 +11,9 @@ Every picture is drawn by the code `vaswani-plot` draws with (`attention.attenti
 `positions.positional_encoding_figure`), at a screen's resolution.
 
 Imports only torch, matplotlib, Pillow, huggingface_hub (the model card's metadata) and four modules of vaswani_hf
-(relatively): `checks.py`, `decoding/translate.py`, `pictures/attention.py` and `pictures/positions.py`, so
-`vaswani-publish --space` ships this file with those four, in the same folders, into a Space folder that has no
-vaswani_hf installed.
+(relatively): `checks.py` (the model folder's check, which reads `configuration_vaswani.py` and `inputs_vaswani.py`),
+`decoding/translate.py`, `pictures/attention.py` and `pictures/positions.py`, so `vaswani-publish --space` ships this
+file with those six, in the same folders, into a Space folder that has no vaswani_hf installed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import CheckError
+from ..checks import CheckError, check_model_folder
 from ..decoding.translate import translate_sentences
 from .attention import (
     ATTENTION_KINDS,
@@ -42,7 +42,7 @@ MAX_BEAMS = 12
 PAGE_DPI = 72  # pictures for a screen, small and quick to draw
 
 __all__ = ["ATTENTION_KINDS", "KIND_TITLES", "MAX_BEAMS", "MAX_CHARACTERS", "MAX_SOURCE_TOKENS", "Hypothesis",
-           "Translation", "check_request", "draw_head", "draw_heads", "draw_positional_encoding",
+           "Translation", "check_model_folder", "check_request", "draw_head", "draw_heads", "draw_positional_encoding",
            "figure_image", "hypothesis_attention", "output_tokens", "source_highlight", "training_data_note",
            "translate_nbest", "unknown_characters", "unshaded"]
 
@@ -235,14 +235,19 @@ def unshaded(maps: AttentionMaps) -> list[tuple[str, float]]:
 
 def training_data_note(model_dir: str | os.PathLike | None) -> str:
     """A line for the page on what the model in `model_dir` was trained on and what follows from it: read from the
-    run's `metrics.json` (`dataset`), else from the model card's `datasets:` (README.md); says so when neither
-    tells."""
-    dataset = None
+    run's `metrics.json` (`dataset`; local files or a local folder said to be local, by name, never by path), else
+    from the model card's `datasets:` (README.md); says so when neither tells."""
+    dataset, local = None, False
     if model_dir and os.path.isdir(model_dir):
         try:
             with open(os.path.join(model_dir, "metrics.json"), encoding="utf-8") as handle:
                 metrics = json.load(handle)
             dataset = metrics.get("dataset") if isinstance(metrics, dict) else None
+            data = metrics.get("data") if isinstance(metrics, dict) else None
+            # local files or a local folder: said so, by name (a path names the user's folders, not data)
+            local = (isinstance(data, dict) and data.get("kind") in ("local", "files")) or (
+                isinstance(dataset, str) and os.path.isabs(dataset))
+            dataset = os.path.basename(dataset.rstrip("/")) if local and isinstance(dataset, str) else dataset
         except (OSError, ValueError):
             pass
         card = os.path.join(model_dir, "README.md")
@@ -258,8 +263,11 @@ def training_data_note(model_dir: str | os.PathLike | None) -> str:
     if dataset is None:
         return ("What this model was trained on is not recorded in its folder (no metrics.json or model card): "
                 "expect good translations only of text like its training data.")
-    if "multi30k" in str(dataset).lower():
+    if "multi30k" in str(dataset).lower() and not local:
         return MULTI30K_NOTE
+    if local:
+        return (f"This model was trained on local files ({dataset}). Expect good translations only of text like that "
+                "data; its model card says more.")
     return (f"This model was trained on {dataset}. Expect good translations only of text like that data; its model "
             "card says more.")
 
