@@ -95,8 +95,9 @@ def _wrong_type(field):
 
 # (id, mutation, file the message must name, words it must hold); every door refuses these.
 REFUSED = [
-    *[(f"delete-{name}", _delete(name), name if name != "config.json" else "config.json", "")
-      for name in ("config.json", "model.safetensors", *TOKENIZER_FILES)],
+    *[(f"delete-{name}", _delete(name), name, words) for name, words in (
+        ("config.json", "no config.json"), ("model.safetensors", "model.safetensors is missing"),
+        ("tokenizer.json", "no tokenizer.json"), ("tokenizer_config.json", "no such file; it names the tokenizer's padding, start and end tokens"))],
     *[(f"truncate-{name}", _truncate(name), name, "") for name in (*MODEL_FILES, *TOKENIZER_FILES)],
     *[(f"empty-{name}", _empty(name), name, "") for name in (*MODEL_FILES, *TOKENIZER_FILES)],
     *[(f"latin1-{name}", _latin1(name), name, "UTF-8") for name in ("config.json", "generation_config.json",
@@ -121,9 +122,10 @@ REFUSED = [
      "pad_token_id"),
     ("beams-0", _set("generation_config.json", "num_beams", 0), "generation_config.json", "num_beams"),
     ("beams-a-string", _set("generation_config.json", "num_beams", "4"), "generation_config.json", "num_beams"),
-    ("eos-outside", _set("generation_config.json", "eos_token_id", 9999), "generation_config.json", "eos_token_id"),
+    ("eos-outside", _set("generation_config.json", "eos_token_id", [2, 9999]), "generation_config.json",
+     "eos_token_id is [2, 9999], outside the model's vocabulary of 420"),  # one end token of two: the config's
     ("start-outside", _set("generation_config.json", "decoder_start_token_id", 420), "generation_config.json",
-     "decoder_start_token_id"),
+     "decoder_start_token_id is 420, outside the model's vocabulary"),
     ("eos-not-the-configs", _set("generation_config.json", "eos_token_id", 5), "generation_config.json",
      "config.json says 2"),
     ("penalty-style", _set("generation_config.json", "length_penalty_style", "paper"), "generation_config.json",
