@@ -97,7 +97,8 @@ def _wrong_type(field):
 REFUSED = [
     *[(f"delete-{name}", _delete(name), name, words) for name, words in (
         ("config.json", "no config.json"), ("model.safetensors", "model.safetensors is missing"),
-        ("tokenizer.json", "no tokenizer.json"), ("tokenizer_config.json", "no such file; it names the tokenizer's padding, start and end tokens"))],
+        ("tokenizer.json", "no tokenizer.json"),
+        ("tokenizer_config.json", "no such file; it names the tokenizer's padding, start and end tokens"))],
     *[(f"truncate-{name}", _truncate(name), name, "") for name in (*MODEL_FILES, *TOKENIZER_FILES)],
     *[(f"empty-{name}", _empty(name), name, "") for name in (*MODEL_FILES, *TOKENIZER_FILES)],
     *[(f"latin1-{name}", _latin1(name), name, "UTF-8") for name in ("config.json", "generation_config.json",
