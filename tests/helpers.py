@@ -43,12 +43,13 @@ def tiny_model(seed: int = 0, **overrides) -> VaswaniForConditionalGeneration:
 
 
 def padded_batch(seed: int = 0, batch: int = 3, length: int = 9, vocab: int = 99):
-    """Source ids `(batch, length)` ending in </s>, row i right-padded by 2 * i positions; and the attention mask."""
+    """Source ids `(batch, length)` ending in </s>, row i right-padded by 2 * i positions (every row keeps at least its
+    </s>); and the attention mask."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, vocab, (batch, length), generator=generator)
     mask = torch.ones(batch, length, dtype=torch.long)
     for row in range(batch):
-        n = length - 2 * row
+        n = max(length - 2 * row, 1)
         ids[row, n - 1] = EOS
         ids[row, n:] = PAD
         mask[row, n:] = 0
