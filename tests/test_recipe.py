@@ -173,7 +173,7 @@ def test_the_documented_training_ran_on_two_processes_from_the_synthetic_wmt14_f
     metrics = json.loads((recipe["output"] / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["train_steps"] == 12
     assert metrics["preset"] == "tiny" and metrics["max_tokens"] == 3125 and metrics["averaged_checkpoints"] == 5
-    assert metrics["data"] == {"kind": "hub", "name": str(recipe["data"]), "config": None}
+    assert metrics["data"] == {"kind": "local", "path": str(recipe["data"]), "config": None}
     assert (metrics["source_lang"], metrics["target_lang"]) == ("en", "de")
     assert metrics["test_sentences"] == 20 and math.isfinite(metrics["test_paper_bleu"])
     assert metrics["length_penalty_style"] == "gnmt"  # the run's own test BLEU is decoded as §6.1
