@@ -155,7 +155,8 @@ def test_a_checkpoint_holding_nan_or_inf_is_refused_naming_it(run_dir, tmp_path,
                        + r": 1 tensor\(s\) hold NaN or infinite values \(model.decoder.layers.0.fc2.bias\)"):
         average_last_checkpoints(run_dir, 2, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    with pytest.raises(SystemExit, match="hold NaN or infinite values"):
+    with pytest.raises(SystemExit, match="checkpoint-1000: weight model.decoder.layers.0.fc2.bias in "
+                                         "model.safetensors holds NaN or infinite"):
         average_main(["--checkpoint_dir", str(run_dir), "--last", "3", "--output_dir", str(tmp_path / "cli")])
     assert average_main(["--checkpoint_dir", str(run_dir), "--last", "1", "--output_dir", str(tmp_path / "ok")]) == 0
 

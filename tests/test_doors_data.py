@@ -277,3 +277,20 @@ def test_a_streaming_run_resumed_past_its_first_pass_continues_exactly(tmp_path)
     assert len(expected) == 11 and [got[step] for step in (9, 10, 11)] == pytest.approx(
         [expected[step] for step in (9, 10, 11)], rel=1e-5)
     assert "resumed past its first pass" in (ROOT / "docs" / "reliability.md").read_text()
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "other lengths", "not UTF-8"])
+def test_vaswani_evaluate_refuses_a_bad_test_file_in_one_line_naming_it(model_folder, tmp_path, damage):
+    from helpers import evaluate_cli
+
+    prefix = tmp_path / "data" / "test"
+    if damage != "missing":
+        write_parallel(prefix.parent, GERMAN[:3], ENGLISH[:3], name="test")
+        Path(f"{prefix}.en").write_bytes({"empty": b"", "other lengths": "\n".join(ENGLISH[:2]).encode() + b"\n",
+                          "not UTF-8": b"A dog \xe4.\n" * 3}[damage])
+    with pytest.raises(SystemExit) as refused:
+        evaluate_cli("--model", model_folder, "--test_file", prefix, "--source_lang", "de", "--target_lang", "en",
+                     "--output", tmp_path / "scores.json")
+    message = str(refused.value.code)
+    assert str(prefix) in message and "\n" not in message, message
+    assert not (tmp_path / "scores.json").exists()

@@ -173,10 +173,13 @@ def main(argv: list[str] | None = None) -> int:
             check_not_run_metrics(output, Path(args.model))
     except CheckError as error:
         raise SystemExit(str(error)) from None
-    if args.test_file:
-        test = load_parallel_dataset(args.test_file, args.source_lang, args.target_lang)
-    else:
-        test = load_multi30k(args.source_lang, args.target_lang, splits=("test",))["test"]
+    try:  # the test set's own checks (files, languages, records): one line, as the checks above
+        if args.test_file:
+            test = load_parallel_dataset(args.test_file, args.source_lang, args.target_lang)
+        else:
+            test = load_multi30k(args.source_lang, args.target_lang, splits=("test",))["test"]
+    except CheckError as error:
+        raise SystemExit(str(error)) from None
     test = select(test, args.max_test_samples)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForSeq2SeqLM.from_pretrained(args.model, use_safetensors=True).to(device)

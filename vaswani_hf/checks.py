@@ -311,9 +311,9 @@ def check_model_folder(folder: str | os.PathLike, *, need_tokenizer: bool = True
     (`VaswaniConfig` validation, naming the file); generation_config.json, where there is one, agrees with it
     (`check_generation_file`: setting types, num_beams >= 1, length_penalty_style "hf" or "gnmt", special token ids
     inside the vocabulary and equal to the config's); the weights are complete safetensors (never
-    `pytorch_model.bin`); with `trust_remote_code`, the model code files that config.json's auto_map names (and those
-    they import) are there and are Python that defines the named classes; with `need_tokenizer`, the tokenizer
-    (`check_tokenizer_matches`).
+    `pytorch_model.bin`) with the config's names and shapes and no NaN or infinite value; with `trust_remote_code`,
+    the model code files that config.json's auto_map names (and those they import) are there and are Python that
+    defines the named classes; with `need_tokenizer`, the tokenizer (`check_tokenizer_matches`).
 
     Raises:
         CheckError: naming the file at fault, what is wrong and what to do.
@@ -367,6 +367,12 @@ def check_model_folder(folder: str | os.PathLike, *, need_tokenizer: bool = True
         raise CheckError(f"{folder}: the weights cannot be used ({'; '.join(weights)}). The save did not finish or "
                          f"the file was damaged; copy it again or use another checkpoint.")
     _check_weights_fit_config(folder, vaswani_config)
+    nonfinite = nonfinite_weights(folder)
+    if nonfinite:  # from_pretrained refuses them too, but with a ValueError the commands would print as a traceback
+        more = f" (and {len(nonfinite) - 1} more)" if len(nonfinite) > 1 else ""
+        raise CheckError(f"{folder}: weight {nonfinite[0]}{more} in {', '.join(p.name for p in weight_files(folder))} "
+                         f"holds NaN or infinite values. The file is corrupted, or the training run that wrote it "
+                         f"diverged; use an earlier checkpoint.")
     if trust_remote_code:
         check_model_code(folder, config.get("auto_map"))
     if need_tokenizer:
