@@ -360,3 +360,48 @@ def test_references_without_a_four_gram_are_refused_not_scored_zero():
     with pytest.raises(ValueError, match="no reference has 4 tokens"):
         compute_bleu(["A dog."], ["A dog."], target_lang="en")
     assert compute_bleu(["A dog runs home."], ["A dog runs home."], target_lang="en")["bleu"] == pytest.approx(100)
+
+
+# Flags of vaswani-train that cannot apply or cannot work: refused before any work, nothing written -------------------
+
+BAD_TRAIN_FLAGS = [
+    (("--learning_rate", "0.001"), "--learning_rate would do nothing"),
+    (("--lr_scheduler_type", "cosine"), "--lr_scheduler_type would do nothing"),
+    (("--adam_beta2", "0.999"), "--adam_beta2 would do nothing"),
+    (("--weight_decay", "0.01"), "--weight_decay would do nothing"),
+    (("--warmup_ratio", "0.1"), "not used by the HfArgumentParser: ['--warmup_ratio', '0.1']"),
+    (("--max_steps", "-5"), "--max_steps must be >= 1, got -5"),
+    (("--max_steps", "0"), "--max_steps must be >= 1, got 0"),
+    (("--label_smoothing_factor", "1.5"), "--label_smoothing_factor must be in [0, 1)"),
+    (("--warmup_steps", "-3"), "warmup_steps"),
+    (("--vocab_size", "3"), "--vocab_size must exceed 260"),
+    (("--config_overrides", "d_model=30,num_heads=4"), "--config_overrides 'd_model=30,num_heads=4': "),
+    (("--config_overrides", "dropout=2"), "--config_overrides 'dropout=2': VaswaniConfig: dropout"),
+    (("--config_overrides", "d_ff=-1"), "--config_overrides 'd_ff=-1': "),
+]
+
+
+@pytest.mark.parametrize("flags, words", BAD_TRAIN_FLAGS, ids=[" ".join(flags) for flags, _ in BAD_TRAIN_FLAGS])
+def test_vaswani_train_refuses_flags_that_cannot_apply_before_any_work(tmp_path, flags, words):
+    from helpers import train_cli
+
+    with pytest.raises(CheckError) as refused:
+        train_cli(tmp_path / "run", tmp_path / "cache", *flags)
+    assert words in str(refused.value), refused.value
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_vocab_size_with_a_given_tokenizer_is_refused(tmp_path, model_folder):
+    from helpers import train_cli
+
+    with pytest.raises(CheckError, match="--vocab_size 1000 would do nothing with --model_name_or_path"):
+        train_cli(tmp_path / "run", tmp_path / "cache", "--model_name_or_path", model_folder, "--vocab_size", "1000")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "99999"])
+def test_vaswani_demo_refuses_a_port_outside_the_tcp_range(model_folder, port):
+    from vaswani_training.demo import main as demo_main
+
+    with pytest.raises(SystemExit, match=f"--port must be a TCP port from 1 to 65535, got {port}"):
+        demo_main(["--model", str(model_folder), "--port", port])

@@ -338,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if args.concurrency < 1:
         raise SystemExit(f"--concurrency must be >= 1, got {args.concurrency}.")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise SystemExit(f"--port must be a TCP port from 1 to 65535, got {args.port}; leave it out for the first "
+                         f"free one from 7860.")
     try:
         model, tokenizer = load_model(args.model, trust_remote_code=args.trust_remote_code, device=args.device)
         demo = build_demo(model, tokenizer, source_lang=args.source_lang, model_dir=args.model)

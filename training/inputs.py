@@ -52,9 +52,12 @@ def check_device(name: str | None) -> str:
 
 
 def check_model_inputs(model_name_or_path: str | None, tokenizer_name: str | None,
-                       config_overrides: str | None) -> None:
+                       config_overrides: str | None, *, preset_model: dict | None = None,
+                       vocab_size: int | None = None) -> None:
     """Before data preparation: --config_overrides cannot apply to a saved model (refused, not ignored) nor set what
-    the tokenizer sets (`TOKENIZER_FIELDS`); a local
+    the tokenizer sets (`TOKENIZER_FIELDS`), and with the preset's model fields (`preset_model`) it makes a valid
+    `VaswaniConfig`; --vocab_size leaves room for the BPE's special and byte tokens and is refused where no BPE is
+    trained (with --tokenizer_name or --model_name_or_path); a local
     --model_name_or_path is a complete vaswani folder (`check_model_folder`); every JSON file of a local
     --tokenizer_name parses (errors name the file).
 
@@ -72,6 +75,24 @@ def check_model_inputs(model_name_or_path: str | None, tokenizer_name: str | Non
         raise CheckError(f"--config_overrides {', '.join(fixed)}: set by the joint BPE (its size and the ids of <pad>, "
                          f"<s> and </s>), so that the model and its tokenizer agree. Drop {', '.join(fixed)} from "
                          f"--config_overrides; --vocab_size sets the vocabulary's size.")
+    if vocab_size is not None and (model_name_or_path or tokenizer_name):
+        flag = "--tokenizer_name" if tokenizer_name else "--model_name_or_path"
+        raise CheckError(f"--vocab_size {vocab_size} would do nothing with {flag}: no joint BPE is trained, the "
+                         f"vocabulary is the given tokenizer's. Leave --vocab_size out.")
+    if vocab_size is not None:
+        from vaswani_hf.tokenization_vaswani import BYTE_TOKENS, SPECIAL_TOKENS
+
+        reserved = len(SPECIAL_TOKENS) + len(BYTE_TOKENS)
+        if vocab_size <= reserved:
+            raise CheckError(f"--vocab_size must exceed {reserved} (the joint BPE's special and byte tokens), got "
+                             f"{vocab_size}; Multi30k's preset uses 8000.")
+    if not model_name_or_path and preset_model is not None:
+        from vaswani_hf import VaswaniConfig
+
+        try:  # the model the run would build, refused now rather than after the data and the BPE
+            VaswaniConfig(**{**preset_model, **parse_overrides(config_overrides)})
+        except (TypeError, ValueError) as error:
+            raise CheckError(f"--config_overrides {config_overrides or ''!r}: {error}") from None
     if model_name_or_path and (Path(model_name_or_path).exists() or not _looks_like_hub_id(model_name_or_path)):
         check_model_folder(model_name_or_path, need_tokenizer=not tokenizer_name)
     if tokenizer_name and (Path(tokenizer_name).exists() or not _looks_like_hub_id(tokenizer_name)):

@@ -251,7 +251,8 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
                                save_total_limit_given=save_total_limit_given, saving=saving,
                                max_steps=run.plan.max_steps, save_steps=save_steps, resuming=run.plan.resuming)
     check_model_inputs(run.model_args.model_name_or_path, run.model_args.tokenizer_name,
-                       run.model_args.config_overrides)
+                       run.model_args.config_overrides, preset_model=run.preset.get("model", {}),
+                       vocab_size=run.model_args.vocab_size)
     if run.plan.resuming:
         checkpoint = resolve_resume_checkpoint(run.resume_value, run.output_dir, layout=layout)
         run.plan.resume_from = checkpoint

@@ -5,7 +5,8 @@
     accelerate launch training/train.py --preset base --bf16   # the same on N GPUs / nodes
 
 Every Seq2SeqTrainingArguments flag works (--output_dir, --max_steps, --gradient_accumulation_steps, --save_steps,
---resume_from_checkpoint, --push_to_hub, --report_to, ...), plus the flags of `training/arguments.py`.
+--resume_from_checkpoint, --push_to_hub, --report_to, ...), plus the flags of `training/arguments.py`; those the
+paper's Adam and schedule replace (--learning_rate, --optim, --adam_*, ...) are refused (`check_trainer_flags`).
 
 The recipe (§5.3-5.4): Adam(0.9, 0.98, 1e-9); lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
 label smoothing 0.1 (--label_smoothing_factor, exact under gradient accumulation); dropout 0.1; token-budget batches.
@@ -102,6 +103,42 @@ TRAINER_DEFAULTS = {
     "max_grad_norm": 0.0,
     "label_smoothing_factor": 0.1,  # §5.4
 }
+
+
+# Trainer flags the paper's optimizer and schedule (§5.3) replace: given, they would do nothing, so they are refused.
+REPLACED_TRAINER_FLAGS = {
+    "learning_rate": "the rate is the schedule of §5.3, lr = lr_factor * d_model^-0.5 * min(step^-0.5, "
+                     "step * warmup^-1.5): scale it with --lr_factor",
+    "lr_scheduler_type": "the schedule is the paper's inverse square root (§5.3); --lr_factor and --warmup_steps "
+                         "set it",
+    "lr_scheduler_kwargs": "the schedule is the paper's inverse square root (§5.3); --lr_factor and --warmup_steps "
+                           "set it",
+    "optim": "the optimizer is the paper's Adam (§5.3)",
+    "optim_args": "the optimizer is the paper's Adam (§5.3)",
+    "adam_beta1": "the paper's Adam uses betas (0.9, 0.98) (§5.3)",
+    "adam_beta2": "the paper's Adam uses betas (0.9, 0.98) (§5.3)",
+    "adam_epsilon": "the paper's Adam uses epsilon 1e-9 (§5.3)",
+    "weight_decay": "the paper's Adam has no weight decay (§5.3)",
+}
+
+
+def check_trainer_flags(training_args: Seq2SeqTrainingArguments, given: set[str]) -> None:
+    """Before any work: Trainer flags that the paper's recipe replaces (`REPLACED_TRAINER_FLAGS`) are refused rather
+    than ignored; `--max_steps` given is a whole number >= 1; `--label_smoothing_factor` lies in [0, 1) (§5.4).
+
+    Raises:
+        CheckError: naming the flag, why and what to use.
+    """
+    replaced = sorted(given & set(REPLACED_TRAINER_FLAGS))
+    if replaced:
+        name = replaced[0]
+        raise CheckError(f"--{name} would do nothing here: {REPLACED_TRAINER_FLAGS[name]}. Leave --{name} out.")
+    if "max_steps" in given and training_args.max_steps < 1:
+        raise CheckError(f"--max_steps must be >= 1, got {training_args.max_steps}; leave it out for the preset's "
+                         f"(or the time budget's).")
+    smoothing = training_args.label_smoothing_factor
+    if not 0.0 <= smoothing < 1.0:
+        raise CheckError(f"--label_smoothing_factor must be in [0, 1) (the paper's 0.1, §5.4), got {smoothing}.")
 
 
 class ValidationInterrupted(Exception):
@@ -330,9 +367,15 @@ def build_parser() -> HfArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     start_process()
     parser = build_parser()
-    model_args, data_args, recipe, training_args = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        model_args, data_args, recipe, training_args = parser.parse_args_into_dataclasses(args=argv)
+    except CheckError:
+        raise
+    except ValueError as error:  # TrainingArguments' own checks of its flags (e.g. --warmup_steps -3)
+        raise CheckError(f"the command line: {error}") from None
     preset = resolve_preset(model_args)
     given = given_flags(parser, argv)  # --max-steps and --max_steps alike
+    check_trainer_flags(training_args, given)
     if "max_steps" not in given and "num_train_epochs" not in given:
         training_args.max_steps = preset["max_steps"]
     if "warmup_steps" not in given:
