@@ -314,9 +314,12 @@ def test_bleu_of_an_unsplittable_language_is_refused_by_name(lang, name, advice)
     if lang == "ja":
         try:
             import MeCab  # noqa: F401
-            pytest.skip("MeCab installed: Japanese is scored with ja-mecab")
         except ImportError:
             pass
+        else:  # where MeCab is installed Japanese is scored, with ja-mecab, instead of refused
+            assert bleu_tokenizer("ja") == "ja-mecab"
+            assert compute_bleu(["猫が座った。"], ["猫が座った。"], target_lang="ja")["bleu"] == pytest.approx(100)
+            return
     for call in (lambda: compute_bleu(CHINESE, CHINESE, target_lang=lang),
                  lambda: paper_bleu(CHINESE, CHINESE, target_lang=lang), lambda: bleu_tokenizer(lang)):
         with pytest.raises(ValueError, match=f"{name} \\({lang}\\).*{advice}"):
