@@ -447,4 +447,3 @@ def test_empty_lines_keep_keeps_the_pairs(tmp_path):
     write(tmp_path / "p.en", "A\nB\n\n")
     kept = read_parallel_text(tmp_path / "p", "de", "en", empty_lines="keep")
     assert kept.source == ["a", "", "c"] and kept.target == ["A", "B", ""] and kept.skipped == 0
-

@@ -223,4 +223,3 @@ def hub_pairs(rows: Iterable[Any], source_lang: str, target_lang: str, empty_lin
 
     yield from _empty_policy(indexed(), empty_lines, lambda i: f"{where} row {i} ({source_lang})",
                              lambda i: f"{where} row {i} ({target_lang})", _new_counts() if counts is None else counts)
-
