@@ -4,7 +4,9 @@ naming the flag, keep output lines aligned with input lines, and never overwrite
 """
 
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +47,10 @@ def test_translate_output_is_checked_before_translating(model_folder, tmp_path, 
                                      tmp_path / "afile" / "out.en"), "is a file, not a folder")
     exits_with(lambda: translate_cli("--model", model_folder, "--input", source, "--output", source),
                "is the --input file")
+    if Path("/proc/self").is_dir():  # Linux: /proc takes no new folder, whatever os.access says of it
+        words = "no folder can be created in /proc" if os.access("/proc", os.W_OK | os.X_OK) else "is not writable"
+        exits_with(lambda: translate_cli("--model", model_folder, "--input", source, "--output",
+                                         "/proc/vaswani-no-such-folder/out.en"), words)
     assert source.read_text(encoding="utf-8") == "Ein Hund.\n"
 
 

@@ -189,6 +189,12 @@ def _check_can_create_in(path: Path, flag: str) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CheckError(f"{flag} {path}: the folder {parent} is not writable; choose another place or fix its "
                          f"permissions.")
+    if parent != path.parent:  # folders to create: some file systems (/proc, /sys) refuse what os.access allows
+        try:
+            os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".vaswani-check-"))
+        except OSError as error:
+            raise CheckError(f"{flag} {path}: no folder can be created in {parent} ({error.strerror or error}); "
+                             f"choose another place.") from None
 
 
 def check_output_file(path: str | os.PathLike, *, flag: str = "--output") -> None:
