@@ -27,7 +27,12 @@ from transformers.modeling_outputs import Seq2SeqLMOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .fast_paths_vaswani import inference_fast_paths
-from .inputs_vaswani import GENERATION_FIELDS, check_generation_values, check_model_inputs
+from .inputs_vaswani import (
+    GENERATION_FIELDS,
+    check_generation_values,
+    check_length_penalty_style,
+    check_model_inputs,
+)
 
 # transformers 5.24 renamed `past_key_values` to `cache` (model keyword, `generate()`'s model_kwargs, output field) and
 # keeps the old name as a deprecated alias; the model takes either and speaks the installed version's name.
@@ -48,7 +53,6 @@ def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | Non
     return cache if cache is not None else past_key_values
 
 
-LENGTH_PENALTY_STYLES = ("hf", "gnmt")
 # The length penalty of the `generate()` call in progress: "hf" (transformers' |Y|^alpha) or "gnmt" (the paper's).
 _LENGTH_PENALTY_STYLE: contextvars.ContextVar[str] = contextvars.ContextVar("vaswani_length_penalty_style",
                                                                             default="hf")
@@ -69,14 +73,8 @@ def length_penalty_style(kwargs: dict, config: GenerationConfig) -> str:
     style = kwargs.pop("length_penalty_style", None)
     if style is None:
         style = getattr(config, "length_penalty_style", None) or "hf"
-    if style not in LENGTH_PENALTY_STYLES:
-        raise ValueError(f"generate(): length_penalty_style must be 'hf' (|Y|^alpha) or 'gnmt' (((5 + |Y|) / 6)^alpha, "
-                         f"the paper's), got {style!r}.")
-    early_stopping = kwargs.get("early_stopping", getattr(config, "early_stopping", None))
-    beams = kwargs.get("num_beams", getattr(config, "num_beams", None)) or 1
-    if style == "gnmt" and beams > 1 and early_stopping is not True:
-        raise ValueError(f"generate(): length_penalty_style='gnmt' needs early_stopping=True (got {early_stopping!r}): "
-                         f"transformers' stopping rules for other settings assume the |Y|^alpha penalty.")
+    check_length_penalty_style(style, kwargs.get("num_beams", getattr(config, "num_beams", None)),
+                               kwargs.get("early_stopping", getattr(config, "early_stopping", None)), "generate()")
     return style
 
 

@@ -266,6 +266,23 @@ REQUIRED_CONFIG_FIELDS = ("vocab_size", "target_vocab_size", "d_model", "encoder
 LENGTH_PENALTY_STYLES = ("hf", "gnmt")  # the forms generate() applies (generation_vaswani.length_penalty_style)
 
 
+def check_length_penalty_style(style, num_beams, early_stopping, where: str) -> None:
+    """Refuse a length penalty form other than "hf" (score / |Y|^alpha, transformers) or "gnmt" (score /
+    ((5 + |Y|) / 6)^alpha, the paper's, §6.1), and "gnmt" in a beam search (`num_beams` > 1) without
+    `early_stopping=True`: transformers' stopping rules for other settings assume |Y|^alpha.
+
+    Raises:
+        ValueError: naming `where` ("generate()", a generation_config.json), the setting and what it must be.
+    """
+    if style not in LENGTH_PENALTY_STYLES:
+        raise ValueError(f"{where}: length_penalty_style must be 'hf' (score / |Y|^alpha) or 'gnmt' (the paper's "
+                         f"score / ((5 + |Y|) / 6)^alpha), got {style!r}.")
+    if style == "gnmt" and (num_beams or 1) > 1 and early_stopping is not True:
+        raise ValueError(f"{where}: length_penalty_style='gnmt' needs early_stopping=True in a beam search (got "
+                         f"{early_stopping!r}): transformers' stopping rules for other settings assume the |Y|^alpha "
+                         f"penalty.")
+
+
 def check_config_fields(values: Mapping, where: str) -> None:
     """Refuse a saved config.json that lacks a field of `REQUIRED_CONFIG_FIELDS` (edited by hand, or written by other
     code): the default would stand in for it, and the model built would not be the one whose weights lie beside it
@@ -294,13 +311,9 @@ def check_generation_file(values: Mapping, where: str, config: Mapping | None = 
         ValueError: naming `where`, the field and what it must be.
     """
     check_generation_values(values, where)
-    style = values.get("length_penalty_style")
-    if style is not None and style not in LENGTH_PENALTY_STYLES:
-        raise ValueError(f"{where}: length_penalty_style must be \"hf\" (score / |Y|^alpha) or \"gnmt\" (the paper's "
-                         f"score / ((5 + |Y|) / 6)^alpha), got {style!r}.")
-    if style == "gnmt" and (values.get("num_beams") or 1) > 1 and values.get("early_stopping") is not True:
-        raise ValueError(f"{where}: length_penalty_style \"gnmt\" in a beam search needs \"early_stopping\": true, "
-                         f"got {values.get('early_stopping')!r} (transformers' other stopping rules assume |Y|^alpha).")
+    if values.get("length_penalty_style") is not None:
+        check_length_penalty_style(values["length_penalty_style"], values.get("num_beams"),
+                                   values.get("early_stopping"), where)
     if config is None:
         return
     vocabulary = config.get("target_vocab_size") or config.get("vocab_size")

@@ -60,7 +60,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-LENGTH_PENALTY_STYLES = ("gnmt", "hf")
+from ..inputs_vaswani import LENGTH_PENALTY_STYLES
+
 # transformers marks empty slots of the finished-hypotheses buffer with -1e9; anything below this is such a slot.
 _EMPTY_SCORE = -1.0e8
 
