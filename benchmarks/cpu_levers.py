@@ -5,7 +5,8 @@ same run. Process CPU time per step is reported beside wall time (steadier on a 
     python benchmarks/cpu_levers.py --threads 1 --steps 12
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python benchmarks/cpu_levers.py
 
-The batches come from the shipped Multi30k through the training pipeline (joint BPE 8,000, 4,096-token budget).
+The batches come from the shipped Multi30k through the training pipeline: the preset's joint BPE and token budget
+unless --vocab_size / --max_tokens say otherwise.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from vaswani_training.prepare import build_model, prepare_data, token_budget_sam
 from vaswani_training.presets import PRESETS  # noqa: E402
 
 
-def batches(n: int):
+def batches(n: int, vocab_size: int | None = None, max_tokens: int | None = None):
+    """The first `n` training batches of the `cpu` preset's run (its BPE size and token budget unless given), with
+    the model arguments, the preset and the tokenizer that made them."""
     preset = PRESETS["cpu"]
-    model_args, data_args = ModelArguments(preset="cpu"), DataArguments()
+    model_args, data_args = ModelArguments(preset="cpu", vocab_size=vocab_size), DataArguments()
     raw, tokenizer, tokenized = prepare_data(model_args, data_args, preset)
-    sampler = token_budget_sampler(tokenized["train"], preset["max_tokens"], shuffle=True, seed=1)
+    sampler = token_budget_sampler(tokenized["train"], max_tokens or preset["max_tokens"], shuffle=True, seed=1)
     collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
     out = []
     for indices in sampler:
@@ -74,10 +77,12 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--variants", nargs="*", default=["eager", "fused_adam", "compile"])
+    parser.add_argument("--vocab_size", type=int, default=None, help="joint BPE size (default: the preset's)")
+    parser.add_argument("--max_tokens", type=int, default=None, help="token budget a batch (default: the preset's)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_args, preset, tokenizer, data = batches(args.warmup + args.steps)
+    model_args, preset, tokenizer, data = batches(args.warmup + args.steps, args.vocab_size, args.max_tokens)
     print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"{'bf16 autocast' if args.bf16 else 'fp32'}; {len(data)} real batches", flush=True)
     results = []

@@ -153,9 +153,19 @@ def test_search_refuses_bad_arguments(copy_setup):
         best_setting([])
 
 
+def test_best_setting_with_a_length_floor_takes_the_best_long_enough_setting():
+    rows = [{"bleu": 41.0, "length_ratio": 0.984, "length_penalty": 1.2}, {"bleu": 40.8, "length_ratio": 1.0,
+            "length_penalty": 2.0}, {"bleu": 40.9, "length_ratio": 0.999, "length_penalty": 1.8},
+            {"bleu": 40.3, "length_ratio": 1.011, "length_penalty": 2.5}]
+    assert best_setting(rows)["length_penalty"] == 1.2
+    assert best_setting(rows, 1.0)["length_penalty"] == 2.0
+    short = [dict(row, length_ratio=row["length_ratio"] - 0.1) for row in rows]
+    assert best_setting(short, 1.0)["length_penalty"] == 1.2  # none reaches the floor: the best of all
+
+
 def test_best_setting_keeps_the_first_of_equal_scores():
-    rows = [{"bleu": 30.0, "length_penalty": 0.6}, {"bleu": 31.0, "length_penalty": 1.0},
-            {"bleu": 31.0, "length_penalty": 1.4}]
+    rows = [{"bleu": 30.0, "length_penalty": 0.6, "length_ratio": 0.95}, {"bleu": 31.0, "length_penalty": 1.0,
+            "length_ratio": 0.98}, {"bleu": 31.0, "length_penalty": 1.4, "length_ratio": 0.99}]
     assert best_setting(rows)["length_penalty"] == 1.0
 
 
@@ -208,8 +218,9 @@ def test_the_run_averages_the_cooldown_checkpoints_and_searches_the_penalty(chos
     assert len(tried) == len(candidates) * 2 * len(DEFAULT_ALPHAS)
     assert {r["average_last"] for r in tried} == set(range(1, len(candidates) + 1))
     assert all(r["sentences"] == 16 and r["num_beams"] == 4 for r in tried)
-    best = max(tried, key=lambda r: r["bleu"])
-    assert choice["chosen"]["bleu"] == best["bleu"]
+    long_enough = [r for r in tried if r["length_ratio"] >= 1.0] or tried  # the floor of training/choose.py
+    best = max(long_enough, key=lambda r: r["bleu"])
+    assert (choice["chosen"]["bleu"], choice["chosen"]["length_ratio"]) == (best["bleu"], best["length_ratio"])
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["length_penalty"], generation["length_penalty_style"], generation["num_beams"]) == (
         choice["chosen"]["length_penalty"], choice["chosen"]["length_penalty_style"], 4)

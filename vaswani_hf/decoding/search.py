@@ -90,12 +90,21 @@ def length_penalty_search(model, tokenizer, sources: Sequence[str], references: 
     return results
 
 
-def best_setting(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The row of highest `bleu`; among equal scores the first (the search lists the paper's settings first).
+def best_setting(rows: Sequence[dict[str, Any]], min_length_ratio: float = 0.0) -> dict[str, Any]:
+    """The row of highest `bleu` among those whose `length_ratio` (hypothesis / reference length) is at least
+    `min_length_ratio`, or among all rows where none is; among equal scores the first (the search lists the paper's
+    settings first).
 
+    Args:
+        rows: the search's rows (`length_penalty_search`), each with "bleu" and "length_ratio".
+        min_length_ratio: 0 (default): the highest BLEU. 1.0: the highest BLEU of the settings whose output is not
+            shorter than the references, as `vaswani-train` chooses (BLEU's brevity penalty punishes a short output
+            steeply and a long one not at all, so a setting chosen below 1 turns shorter still on a set whose
+            references run longer).
     Raises:
         ValueError: no rows.
     """
     if not rows:
         raise ValueError("best_setting: no rows to choose from.")
-    return max(rows, key=lambda row: row["bleu"])  # max keeps the first of equal keys
+    long_enough = [row for row in rows if row["length_ratio"] >= min_length_ratio]
+    return max(long_enough or rows, key=lambda row: row["bleu"])  # max keeps the first of equal keys
