@@ -257,7 +257,7 @@ def test_auto_precision_measures_where_bf16_is_native(monkeypatch, fp32, bf16, c
     assert f"{bf16 * 1e3:.0f} ms in bf16 autocast against {fp32 * 1e3:.0f} ms in fp32" in reason
     assert ("--cpu_bf16 no for fp32" if chosen else "--cpu_bf16 yes for bf16") in reason
     (config,) = measured  # measured once, at the preset's widths and vocabulary
-    assert (config.d_model, config.d_ff, config.num_heads, config.vocab_size) == (256, 1024, 4, 5000)
+    assert (config.d_model, config.d_ff, config.num_heads, config.vocab_size) == (256, 1024, 4, 8000)
 
 
 @pytest.mark.parametrize("cpu_bf16, native, world_size, chosen", [

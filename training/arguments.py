@@ -77,8 +77,7 @@ class ModelArguments:
     tokenizer_name: str | None = field(default=None, metadata={
         "help": "A saved tokenizer folder to use instead of training the joint BPE."})
     vocab_size: int | None = field(default=None, metadata={
-        "help": "Joint BPE vocabulary size (default: the preset's; the cpu preset's 5000 was chosen on "
-                "Multi30k's validation set)."})
+        "help": "Joint BPE vocabulary size (default: the preset's; 8000 fits Multi30k)."})
     cache_dir: str | None = field(default=None, metadata={
         "help": "Where trained tokenizers are cached (default ~/.cache/vaswani_hf)."})
 

@@ -85,7 +85,7 @@ def check_model_inputs(model_name_or_path: str | None, tokenizer_name: str | Non
         reserved = len(SPECIAL_TOKENS) + len(BYTE_TOKENS)
         if vocab_size <= reserved:
             raise CheckError(f"--vocab_size must exceed {reserved} (the joint BPE's special and byte tokens), got "
-                             f"{vocab_size}; the cpu preset uses 5000 on Multi30k.")
+                             f"{vocab_size}; the cpu preset uses 8000 on Multi30k.")
     if not model_name_or_path and preset_model is not None:
         from vaswani_hf import VaswaniConfig
 
