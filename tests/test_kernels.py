@@ -867,3 +867,18 @@ def test_the_training_commands_trainer_runs_its_steps_with_every_cpu_fast_path(t
         assert attention == "vaswani_sdpa" and rows == 1  # the batch's tokens in one row
     assert fused == [0.1, 0.1]  # the label-smoothed loss of §5.4
     assert module_types(model) == PLAIN_TYPES and "forward" not in vars(model)
+
+
+@pytest.mark.skipif(not __import__("vaswani_hf.kernels_vaswani", fromlist=["x"]).has_onednn_linear(),
+                    reason="this torch has no oneDNN linear (the products then run in BLAS)")
+def test_onednn_products_of_an_empty_batch_are_empty_or_zero():
+    # A batch without labelled tokens reaches the oneDNN products with zero rows; oneDNN itself refuses a zero size.
+    import torch
+
+    from vaswani_hf.kernels_vaswani import _onednn_grad_weight, _onednn_linear
+
+    assert _onednn_linear(torch.randn(0, 32), torch.randn(99, 32)).shape == (0, 99)
+    grad_weight = _onednn_grad_weight(torch.randn(0, 32), torch.randn(0, 99))
+    assert grad_weight.shape == (99, 32) and grad_weight.abs().sum().item() == 0.0
+    assert torch.equal(_onednn_linear(torch.randn(5, 0), torch.randn(7, 0), torch.full((7,), 2.0)),
+                       torch.full((5, 7), 2.0))

@@ -271,7 +271,11 @@ def has_onednn_linear() -> bool:
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b with oneDNN: `(M, K)` x `(N, K)` (either may be a transposed view, or W packed) -> `(M, N)`, fp32."""
+    """x W^T + b with oneDNN: `(M, K)` x `(N, K)` (either may be a transposed view, or W packed) -> `(M, N)`, fp32.
+    An empty operand (a batch without labelled tokens) gives its empty or zero product: oneDNN refuses a zero size."""
+    if x.numel() == 0 or weight.numel() == 0:
+        out = x.new_zeros(x.shape[0], weight.shape[0])
+        return out if bias is None else out + bias
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
