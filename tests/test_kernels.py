@@ -35,7 +35,15 @@ from torch import nn
 
 from vaswani_hf import fast_paths_vaswani, kernels_vaswani
 from vaswani_hf.fast_paths_vaswani import inference_fast_paths, training_fast_paths
-from vaswani_hf.kernels_vaswani import CPUDropout, OneDNNLinear, cpu_dropout, unpad_batch
+from vaswani_hf.kernels_vaswani import (
+    CPUDropout,
+    OneDNNLinear,
+    _onednn_grad_weight,
+    _onednn_linear,
+    cpu_dropout,
+    has_onednn_linear,
+    unpad_batch,
+)
 from vaswani_hf.modeling_vaswani import cross_entropy_loss
 
 PLAIN_TYPES = {"Linear", "Dropout", "LayerNorm", "Embedding"}
@@ -869,14 +877,9 @@ def test_the_training_commands_trainer_runs_its_steps_with_every_cpu_fast_path(t
     assert module_types(model) == PLAIN_TYPES and "forward" not in vars(model)
 
 
-@pytest.mark.skipif(not __import__("vaswani_hf.kernels_vaswani", fromlist=["x"]).has_onednn_linear(),
-                    reason="this torch has no oneDNN linear (the products then run in BLAS)")
+@pytest.mark.skipif(not has_onednn_linear(), reason="this torch has no oneDNN linear (the products then run in BLAS)")
 def test_onednn_products_of_an_empty_batch_are_empty_or_zero():
     # A batch without labelled tokens reaches the oneDNN products with zero rows; oneDNN itself refuses a zero size.
-    import torch
-
-    from vaswani_hf.kernels_vaswani import _onednn_grad_weight, _onednn_linear
-
     assert _onednn_linear(torch.randn(0, 32), torch.randn(99, 32)).shape == (0, 99)
     grad_weight = _onednn_grad_weight(torch.randn(0, 32), torch.randn(0, 99))
     assert grad_weight.shape == (99, 32) and grad_weight.abs().sum().item() == 0.0
