@@ -30,11 +30,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cpu": {
         "model": {"d_model": 256, "encoder_layers": 3, "decoder_layers": 3, "num_heads": 4, "d_ff": 1024},
-        # 2,048-token batches: at the same compute, 1,300 steps of 2,048 tokens scored 36.33 test BLEU where 650-700
-        # steps of 4,096 scored 33.0-33.5 (README, "The cpu preset's departures").
+        # 1,024-token batches: in the budget they fit 1.4-1.6x (bf16) and 1.8x (fp32) the steps of 2,048 and scored
+        # +0.94 and +0.36 validation BLEU (docs/results.md, "The batch size"); 2,048 had beaten 4,096 by 2.8 test BLEU.
         # A joint BPE of 8,000 entries: 5,000 fitted 1.12x the steps and scored higher on validation in bf16 but lower
         # in the fp32 run of the budget (docs/results.md, "The vocabulary size"), so it was not taken.
-        "max_tokens": 2048, "warmup_steps": 400, "lr_factor": 0.5, "max_steps": 4000, "vocab_size": 8000,
+        "max_tokens": 1024, "warmup_steps": 400, "lr_factor": 0.5, "max_steps": 8000, "vocab_size": 8000,
         # The whole command (start to BLEU printed) plans its steps to end within this budget (training/planner.py):
         # up to max_steps, fewer on a slower machine, the schedule always ending in a linear cooldown to lr 0 over
         # the last `cooldown_fraction` of the planned steps (a departure from §5.3, cpu preset only; README), then the
