@@ -1,10 +1,12 @@
-"""Time the `cpu` preset's training step at several joint BPE sizes on real Multi30k batches, as `vaswani-train` runs
-it (its malloc and oneDNN cache settings, eager, fused Adam, the CPU fast paths; bf16 autocast with --bf16), and
-print what an epoch costs at each size: a smaller vocabulary makes the output projection and softmax cheaper and the
-sentences longer. Ratios are against the first size, measured in the same run. The time-based rows of
-docs/results.md give each size the steps its step time fits in the main job's budget.
+"""Time the `cpu` preset's training step at several joint BPE sizes and batch sizes (`--max_tokens`) on real Multi30k
+batches, as `vaswani-train` runs it (its malloc and oneDNN cache settings, eager, fused Adam, the CPU fast paths;
+bf16 autocast with --bf16), and print what an epoch costs at each: a smaller vocabulary makes the output projection
+and softmax cheaper and the sentences longer; a smaller batch makes a step shorter and an epoch longer in steps.
+Ratios are against the first row, measured in the same run. The time-based rows of docs/results.md give each setting
+the steps its step time fits in the main job's budget.
 
     python benchmarks/bpe_size.py --bf16 --sizes 8000 5000 4000
+    python benchmarks/bpe_size.py --bf16 --sizes 8000 --max_tokens 2048 1024
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python benchmarks/bpe_size.py
 """
 
@@ -34,12 +36,11 @@ from vaswani_hf.fast_paths_vaswani import training_fast_paths  # noqa: E402
 from vaswani_hf.schedule import paper_adam  # noqa: E402
 from vaswani_training.arguments import DataArguments, ModelArguments  # noqa: E402
 from vaswani_training.prepare import build_model, prepare_data, token_budget_sampler  # noqa: E402
+from vaswani_training.presets import PRESETS  # noqa: E402
 
 
 def steps_per_epoch(vocab_size: int, max_tokens: int) -> tuple[int, int]:
     """(batches in one epoch of the training split, its source + target tokens) at this BPE size."""
-    from vaswani_training.presets import PRESETS
-
     _, _, tokenized = prepare_data(ModelArguments(preset="cpu", vocab_size=vocab_size), DataArguments(),
                                    PRESETS["cpu"])
     train = tokenized["train"]
@@ -47,8 +48,8 @@ def steps_per_epoch(vocab_size: int, max_tokens: int) -> tuple[int, int]:
     return len(list(token_budget_sampler(train, max_tokens, shuffle=True, seed=1))), tokens
 
 
-def time_size(vocab_size: int, steps: int, warmup: int, bf16: bool) -> dict:
-    model_args, preset, tokenizer, data = batches(warmup + steps, vocab_size)
+def time_size(vocab_size: int, steps: int, warmup: int, bf16: bool, max_tokens: int) -> dict:
+    model_args, preset, tokenizer, data = batches(warmup + steps, vocab_size, max_tokens)
     torch.manual_seed(0)
     model = build_model(model_args, preset, tokenizer).train()
     optimizer = paper_adam(model.parameters(), lr=1e-4, fused=True)
@@ -63,15 +64,18 @@ def time_size(vocab_size: int, steps: int, warmup: int, bf16: bool) -> dict:
             optimizer.zero_grad(set_to_none=True)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
-    per_epoch, tokens = steps_per_epoch(vocab_size, preset["max_tokens"])
+    per_epoch, tokens = steps_per_epoch(vocab_size, max_tokens)
     step = statistics.median(times)
-    return {"vocab_size": vocab_size, "step_s": step, "steps_per_epoch": per_epoch, "tokens": tokens,
-            "epoch_min": step * per_epoch / 60, "parameters": sum(p.numel() for p in model.parameters())}
+    return {"vocab_size": vocab_size, "max_tokens": max_tokens, "step_s": step, "steps_per_epoch": per_epoch,
+            "tokens": tokens, "epoch_min": step * per_epoch / 60,
+            "parameters": sum(p.numel() for p in model.parameters())}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8000, 5000], help="BPE sizes; the first is the base")
+    parser.add_argument("--max_tokens", type=int, nargs="+", default=None,
+                        help="batch sizes in padded tokens (default: the preset's); every BPE size at each")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per size (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast, as the run on a CPU with native bf16")
@@ -79,14 +83,14 @@ def main(argv=None):
     print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"{'bf16 autocast' if args.bf16 else 'fp32'}", flush=True)
     rows = []
-    for size in args.sizes:
-        rows.append(time_size(size, args.steps, args.warmup, args.bf16))
-        r, base = rows[-1], rows[0]
-        print(f"BPE {size:6d}: {r['parameters'] / 1e6:.2f}M parameters, step {r['step_s']:.3f} s, "
-              f"{r['steps_per_epoch']} steps an epoch ({r['tokens']} tokens), epoch {r['epoch_min']:.2f} min; "
-              f"steps in the same time {base['step_s'] / r['step_s']:.2f}x, "
-              f"epochs {base['epoch_min'] / r['epoch_min']:.2f}x",
-              flush=True)
+    for max_tokens in args.max_tokens or [PRESETS["cpu"]["max_tokens"]]:
+        for size in args.sizes:
+            rows.append(time_size(size, args.steps, args.warmup, args.bf16, max_tokens))
+            r, base = rows[-1], rows[0]
+            print(f"BPE {size:6d}, {max_tokens} tokens: {r['parameters'] / 1e6:.2f}M parameters, "
+                  f"step {r['step_s']:.3f} s, {r['steps_per_epoch']} steps an epoch ({r['tokens']} tokens), "
+                  f"epoch {r['epoch_min']:.2f} min; steps in the same time {base['step_s'] / r['step_s']:.2f}x, "
+                  f"epochs {base['epoch_min'] / r['epoch_min']:.2f}x", flush=True)
     return rows
 
 
