@@ -30,7 +30,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "cpu": {
         "model": {"d_model": 256, "encoder_layers": 3, "decoder_layers": 3, "num_heads": 4, "d_ff": 1024},
-        # 1,024-token batches: in the budget they fit 1.4-1.6x (bf16) and 1.8x (fp32) the steps of 2,048 and scored
+        # 1,024-token batches: in the budget they fit 1.4-1.6x (bf16) and 1.7-1.8x (fp32) the steps of 2,048 and scored
         # +0.94 and +0.36 validation BLEU (docs/results.md, "The batch size"); 2,048 had beaten 4,096 by 2.8 test BLEU.
         # A joint BPE of 8,000 entries: 5,000 fitted 1.12x the steps and scored higher on validation in bf16 but lower
         # in the fp32 run of the budget (docs/results.md, "The vocabulary size"), so it was not taken.
