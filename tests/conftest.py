@@ -142,6 +142,8 @@ def _too_few_transformers_tests() -> str | None:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker sees only its share; the controller counts every worker's reports
     if _too_few_transformers_tests() and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -36,6 +36,7 @@ except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
 
 README = ROOT / "README.md"
 CI_RUN = ROOT / ".ci" / "run"
+TEST_COMMAND = "python -m pytest -q -n 2 --dist loadfile"  # the README's, which `.ci/run` runs
 MODEL_PATH = "outputs/multi30k-de-en"  # where the main job leaves its model and the README's snippets load it from
 NEEDS = re.compile(r"^\*Needs (.+)\.\*$")
 NEEDED = ("main job", "GPU", "Hub")  # what a "Needs" mark may name: each is out of reach of the test suite
@@ -120,9 +121,9 @@ def test_readme_is_short_and_starts_with_the_two_commands(blocks):
     lines = README.read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines"
     setup = next(b for b in blocks if "pip install torch==2.13.0" in b["code"] and "vaswani-train" in b["code"])
-    tests = next(b for b in blocks if b["code"].strip() == "python -m pytest -q")
+    tests = next(b for b in blocks if b["code"].strip() == TEST_COMMAND)
     assert setup["line"] + setup["code"].count("\n") < 40 and tests["line"] + 1 < 40, "the two commands come first"
-    assert ["python", "-m", "pytest", "-q"] in shell_commands(CI_RUN.read_text()), "CI runs the README's test command"
+    assert TEST_COMMAND.split() in shell_commands(CI_RUN.read_text()), "CI runs the README's test command"
 
 
 def test_every_block_is_covered(blocks):
