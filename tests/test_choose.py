@@ -169,6 +169,18 @@ def test_best_setting_keeps_the_first_of_equal_scores():
     assert best_setting(rows)["length_penalty"] == 1.0
 
 
+def test_spread_over_cooldown_leaves_out_a_checkpoint_a_few_steps_from_a_newer_one(tmp_path):
+    from vaswani_training.choose import spread_over_cooldown
+
+    steps = [2545, 2696, 2847, 2998, 3000, 3149]  # the planner's every 151 steps, and --save_steps 500's 3000
+    folders = [tmp_path / f"checkpoint-{step}" for step in steps]
+    kept = [int(f.name.split("-")[1]) for f in spread_over_cooldown(folders, 151)]
+    assert kept == [2545, 2696, 2847, 3000, 3149]  # 2998 and 3000 hold nearly the same weights: one stays
+    assert [int(f.name.split("-")[1]) for f in spread_over_cooldown(folders, 151)[-4:]] == [2696, 2847, 3000, 3149]
+    assert spread_over_cooldown(folders, None) == folders and spread_over_cooldown(folders, 1) == folders
+    assert spread_over_cooldown([], 151) == []
+
+
 # The training run's end -------------------------------------------------------------------------------------------
 
 
@@ -285,6 +297,20 @@ def test_a_given_length_penalty_wins_and_a_given_average_is_kept(small_data, tmp
     assert (generation["length_penalty"], generation["length_penalty_style"]) == (0.8, "hf")
     assert metrics["length_penalty"] == 0.8
     assert not (tmp_path / "fixed" / "averaged_from.json").exists()
+
+
+def test_a_save_steps_checkpoint_beside_a_cooldown_one_is_not_averaged_twice(small_data, tmp_path):
+    # 80 planned steps: a cooldown of 16 with checkpoints every 4 (68, 72, 76, 80); --save_steps 79 adds step 79
+    metrics = budget_run(small_data, tmp_path / "run", "--max_steps", "80", "--save_steps", "79")
+    plan = metrics["plan"]
+    assert (plan["planned_steps"], plan["cooldown_steps"]) == (80, 16)
+    assert (tmp_path / "run" / "checkpoint-79").is_dir()  # kept on disk for resuming, left out of the average
+    tried = metrics["chosen_on_validation"]["tried"]
+    assert {r["average_last"] for r in tried} == {1, 2, 3, 4}
+    assert metrics["chosen_on_validation"]["candidates"] == [f"checkpoint-{step}" for step in (68, 72, 76, 80)]
+    averaged = metrics["chosen_on_validation"]["averaged_from"]
+    n = metrics["chosen_on_validation"]["chosen"]["average_last"]
+    assert averaged == ["checkpoint-68", "checkpoint-72", "checkpoint-76", "checkpoint-80"][4 - n:]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -38,7 +38,8 @@ SEARCH_COST_FACTOR = 0.75
 MIN_LENGTH_RATIO = 1.0
 
 __all__ = ["COOLDOWN_CHECKPOINTS", "MIN_LENGTH_RATIO", "SEARCH_COST_FACTOR", "averaging_searched",
-           "choose_on_validation", "length_penalty_searched", "search_passes", "write_given_decoding"]
+           "choose_on_validation", "length_penalty_searched", "search_passes", "spread_over_cooldown",
+           "write_given_decoding"]
 
 
 def averaging_searched(run: Run) -> bool:
@@ -58,6 +59,24 @@ def search_passes(run: Run, has_validation: bool) -> int:
     if not has_validation or run.recipe.skip_test or not (averaging_searched(run) or length_penalty_searched(run)):
         return 0
     return COOLDOWN_CHECKPOINTS if averaging_searched(run) else 1
+
+
+def spread_over_cooldown(checkpoints: list[Path], every: int | None) -> list[Path]:
+    """The checkpoints to average, oldest first: from the newest back, each kept one at least `every // 2` steps
+    before the next kept one, so that a --save_steps checkpoint a few steps from one of the planner's (steps 2998 and
+    3000, say) does not count the same weights twice in "the last N" (§6.1's checkpoints were 10 minutes apart).
+
+    Args:
+        checkpoints: `checkpoint-<step>` folders, oldest first.
+        every: the planner's spacing of its cooldown checkpoints in steps; None or < 2: all are kept.
+    """
+    if not every or every < 2:
+        return list(checkpoints)
+    kept: list[Path] = []
+    for folder in reversed(checkpoints):
+        if not kept or checkpoint_step(kept[-1]) - checkpoint_step(folder) >= every // 2:
+            kept.append(folder)
+    return kept[::-1]
 
 
 def _load(model, state: dict) -> None:
@@ -95,7 +114,7 @@ def write_given_decoding(run: Run, model) -> None:
 
 
 def choose_on_validation(run: Run, model, tokenizer, validation, *, cooldown_from: int | None, final_step: int,
-                         num_beams: int, batch_size: int) -> dict[str, Any] | None:
+                         num_beams: int, batch_size: int, checkpoint_every: int | None = None) -> dict[str, Any] | None:
     """Choose the checkpoints to average and the length penalty on `validation`, apply them to `model` and
     --output_dir, and return what was tried and chosen (for metrics.json and the model card); None where nothing is
     chosen (both given on the command line, or no validation split).
@@ -106,10 +125,13 @@ def choose_on_validation(run: Run, model, tokenizer, validation, *, cooldown_fro
         validation: the validation split's translation records (all of them are decoded).
         cooldown_from: the last step before the learning-rate cooldown (the checkpoints after it are the candidates);
             None: the run's last `COOLDOWN_CHECKPOINTS` checkpoints.
+        checkpoint_every: the planner's spacing of its cooldown checkpoints, in steps: candidates closer than half
+            of it to a newer one are left out (`spread_over_cooldown`); None: none is left out.
         final_step: the run's last step; averaging is searched only when its checkpoint is the newest.
         num_beams: the beam size (the paper's 4).
     Returns:
-        `{"chosen": {...}, "tried": [rows], "averaged_from": [...], "validation_sentences": n, "seconds": s}`.
+        `{"chosen": {...}, "tried": [rows], "averaged_from": [...], "candidates": [the checkpoints averaged over,
+        oldest first], "validation_sentences": n, "seconds": s}`.
     """
     from vaswani_hf.averaging import average_checkpoints, save_averaged_model
     from vaswani_hf.decoding import DEFAULT_ALPHAS, best_setting, length_penalty_search
@@ -133,7 +155,7 @@ def choose_on_validation(run: Run, model, tokenizer, validation, *, cooldown_fro
         if mine and checkpoint_step(mine[-1]) == final_step:
             if cooldown_from is not None:
                 mine = [c for c in mine if checkpoint_step(c) > cooldown_from]
-            candidates = mine[-COOLDOWN_CHECKPOINTS:]
+            candidates = spread_over_cooldown(mine, checkpoint_every)[-COOLDOWN_CHECKPOINTS:]
     counts = list(range(1, len(candidates) + 1)) or [None]  # None: the model as it is
     final_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     tried: list[dict[str, Any]] = []
@@ -178,6 +200,7 @@ def choose_on_validation(run: Run, model, tokenizer, validation, *, cooldown_fro
           f"written into {run.output_dir / 'generation_config.json'}.", flush=True)
     return {"chosen": {key: chosen[key] for key in ("average_last", "num_beams", "length_penalty_style",
                                                     "length_penalty", "bleu", "length_ratio")},
-            "averaged_from": averaged_from, "searched_average": bool(candidates),
+            "averaged_from": averaged_from, "candidates": [folder.name for folder in candidates],
+            "searched_average": bool(candidates),
             "searched_length_penalty": search_penalty, "validation_sentences": len(sources),
             "seconds": round(seconds, 1), "tried": tried}

@@ -162,13 +162,19 @@ class BudgetPlanner(TrainerCallback):
         """The last step before the planned cooldown (None before the plan)."""
         return None if self.planned_steps is None else self.planned_steps - self.cooldown_steps
 
+    @property
+    def cooldown_checkpoint_every(self) -> int | None:
+        """Steps between the checkpoints saved for averaging over the cooldown (None before the plan or without
+        them)."""
+        if not self.cooldown_checkpoints or self.planned_steps is None or self.cooldown_steps < 1:
+            return None
+        return max(1, self.cooldown_steps // self.cooldown_checkpoints)
+
     def cooldown_checkpoint_due(self, step: int) -> bool:
         """A checkpoint for averaging is due at `step`: one of `cooldown_checkpoints` steps evenly spaced over the
         cooldown, ending at the planned last step."""
-        if not self.cooldown_checkpoints or self.planned_steps is None or self.cooldown_steps < 1:
-            return False
-        every = max(1, self.cooldown_steps // self.cooldown_checkpoints)
-        return step > self.cooldown_from and (self.planned_steps - step) % every == 0
+        every = self.cooldown_checkpoint_every
+        return every is not None and step > self.cooldown_from and (self.planned_steps - step) % every == 0
 
     # -- Trainer hooks ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):

@@ -508,6 +508,7 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
                 run, trainer.model, tokenizer,
                 select(raw["validation"], search_limit) if "validation" in raw else None,
                 cooldown_from=planner.cooldown_from if planner is not None else None,
+                checkpoint_every=planner.cooldown_checkpoint_every if planner is not None else None,
                 final_step=trainer.state.global_step, num_beams=training_args.generation_num_beams,
                 batch_size=training_args.per_device_eval_batch_size)
         if choice is None:
