@@ -300,6 +300,23 @@ def test_evaluate_refuses_a_length_penalty_without_a_beam_search(model_folder, t
 CHINESE = ["一个男人骑着自行车穿过城市。", "两只狗在雪地里玩耍。", "一个女人在公园里看书。"]
 
 
+def test_the_validation_bleu_during_training_splits_chinese_as_the_test_score_does():
+    from transformers import EvalPrediction
+
+    from vaswani_hf.tokenization_vaswani import train_joint_bpe
+    from vaswani_training.train import validation_bleu
+
+    tokenizer = train_joint_bpe([CHINESE * 4, ["a man rides a bike ."] * 4], vocab_size=300, min_frequency=1)
+    labels = tokenizer(text_target=CHINESE, padding=True)["input_ids"]
+    labels = [[t if t != tokenizer.pad_token_id else -100 for t in row] for row in labels]
+    identical = EvalPrediction(predictions=[[t for t in row if t != -100] for row in labels], label_ids=labels)
+    assert validation_bleu(tokenizer, "zh")(identical)["bleu"] == pytest.approx(100)
+    # 13a sees each unspaced sentence as one word: identical output scores 0, as the final score would refuse to
+    assert validation_bleu(tokenizer, "en")(identical)["bleu"] < 1
+    with pytest.raises(ValueError, match="Thai"):
+        validation_bleu(tokenizer, "th")
+
+
 def test_chinese_output_identical_to_its_references_scores_100_with_the_zh_tokenizer():
     scores = compute_bleu(CHINESE, CHINESE, target_lang="zh")
     assert scores["bleu"] == pytest.approx(100) and scores["paper_bleu"] == pytest.approx(100)
