@@ -425,3 +425,30 @@ def test_vaswani_demo_refuses_a_port_outside_the_tcp_range(model_folder, port):
 
     with pytest.raises(SystemExit, match=f"--port must be a TCP port from 1 to 65535, got {port}"):
         demo_main(["--model", str(model_folder), "--port", port])
+
+
+# --model and --model_dir name the same folder in every command -------------------------------------------------------
+
+
+@pytest.mark.parametrize("module, args", [
+    ("translate", ["--model_dir", "{nope}", "--input", "{text}"]),
+    ("evaluate_bleu", ["--model_dir", "{nope}"]),
+    ("demo", ["--model_dir", "{nope}"]),
+    ("convert_ct2", ["--model", "{nope}", "--output_dir", "{out}"]),
+    ("publish", ["--model", "{nope}", "--output_dir", "{out}"]),
+    ("plot", ["attention", "--model", "{nope}", "--source", "Ein Hund.", "--output_dir", "{out}"]),
+])
+def test_each_command_takes_the_model_folder_as_model_or_model_dir(module, args, tmp_path, capsys):
+    import importlib
+
+    (tmp_path / "in.de").write_text("Ein Hund.\n")
+    argv = [a.format(nope=tmp_path / "nope", text=tmp_path / "in.de", out=tmp_path / "out") for a in args]
+    main = importlib.import_module(f"vaswani_training.{module}").main
+    try:
+        code, message = main(argv), ""
+    except SystemExit as stop:
+        code, message = stop.code, str(stop.code)
+    captured = capsys.readouterr()
+    said = message + captured.err + captured.out
+    assert code not in (0, None)
+    assert "is not a saved model folder" in said and str(tmp_path / "nope") in said, said  # the folder was read

@@ -26,7 +26,7 @@ QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_dir", required=True, help="A saved model folder with its tokenizer.")
+    parser.add_argument("--model_dir", "--model", required=True, help="A saved model folder with its tokenizer.")
     parser.add_argument("--output_dir", required=True, help="The CTranslate2 model folder to write.")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="Weight type (default: float32 as trained); int8 for CPU, float16/int8_float16 for GPU.")

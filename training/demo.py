@@ -311,7 +311,7 @@ def space_card(readme: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="A saved model folder (with its tokenizer).")
+    parser.add_argument("--model", "--model_dir", required=True, help="A saved model folder (with its tokenizer).")
     parser.add_argument("--host", default=None, help="Address to listen on (default: GRADIO_SERVER_NAME, else "
                                                      "127.0.0.1; 0.0.0.0 to be reached from other machines).")
     parser.add_argument("--port", type=int, default=None,

@@ -124,7 +124,7 @@ def check_not_run_metrics(output: Path, model_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="A saved model folder (with its tokenizer).")
+    parser.add_argument("--model", "--model_dir", required=True, help="A saved model folder (with its tokenizer).")
     parser.add_argument("--test_file", default=None,
                         help="Parallel files PREFIX.{src,tgt}[.gz] or a .jsonl file (default: Multi30k test2016).")
     parser.add_argument("--source_lang", default="de")

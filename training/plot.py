@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     attention = commands.add_parser("attention", help="Per-head attention heatmaps of one layer for one sentence.")
-    attention.add_argument("--model_dir", required=True, help="A saved model folder with its tokenizer.")
+    attention.add_argument("--model_dir", "--model", required=True, help="A saved model folder with its tokenizer.")
     attention.add_argument("--source", required=True, help="The source sentence.")
     attention.add_argument("--target", default=None,
                            help="A target sentence (teacher-forced). Default: the model's own translation.")
@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--prefix", default="attention", help="File name prefix (default 'attention').")
 
     positions = commands.add_parser("positions", help="The positional encoding (§3.5) of a sentence's positions.")
-    positions.add_argument("--model_dir", required=True, help="A saved model folder (with its tokenizer for --source).")
+    positions.add_argument("--model_dir", "--model", required=True,
+                           help="A saved model folder (with its tokenizer for --source).")
     group = positions.add_mutually_exclusive_group(required=True)
     group.add_argument("--source", help="A source sentence: its tokens label the positions.")
     group.add_argument("--positions", type=int, help="Draw positions 0 .. N - 1 instead of a sentence's.")

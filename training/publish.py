@@ -470,7 +470,7 @@ def write_and_push(model_dir: str | os.PathLike, *, repo_id: str | None, token: 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_dir", required=True, help="A trained model folder with its tokenizer "
+    parser.add_argument("--model_dir", "--model", required=True, help="A trained model folder with its tokenizer "
                                                            "(a training output_dir).")
     parser.add_argument("--output_dir", required=True, help="The Hub-ready folder to write.")
     parser.add_argument("--metrics", default=None, help="The run's metrics.json (default: MODEL_DIR/metrics.json).")

@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a file (python training/translate.py): i
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="A saved model folder (with its tokenizer).")
+    parser.add_argument("--model", "--model_dir", required=True, help="A saved model folder (with its tokenizer).")
     parser.add_argument("--input", default="-", help="Source sentences, one a line; '-' for stdin (default).")
     parser.add_argument("--output", default="-", help="Where translations go; '-' for stdout (default).")
     parser.add_argument("--num_beams", type=int, default=None, help="Beam size (default: the model's, 4).")
