@@ -130,8 +130,8 @@ def choose_on_validation(run: Run, model, tokenizer, validation, *, cooldown_fro
         final_step: the run's last step; averaging is searched only when its checkpoint is the newest.
         num_beams: the beam size (the paper's 4).
     Returns:
-        `{"chosen": {...}, "tried": [rows], "averaged_from": [...], "candidates": [the checkpoints averaged over,
-        oldest first], "validation_sentences": n, "seconds": s}`.
+        `{"chosen": {...}, "tried": [rows], "averaged_from": [...], "candidates": [the checkpoints the average
+        was chosen among, oldest first], "validation_sentences": n, "seconds": s}`.
     """
     from vaswani_hf.averaging import average_checkpoints, save_averaged_model
     from vaswani_hf.decoding import DEFAULT_ALPHAS, best_setting, length_penalty_search
