@@ -5,7 +5,6 @@ training step measured in both precisions is faster in it, else fp32.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -41,17 +40,30 @@ def cpu_has_native_bf16() -> bool:
 BF16_MIN_SPEEDUP = 1.15
 
 
+def _timed_step(model, batch: dict[str, torch.Tensor], bf16: bool) -> float:
+    """Wall-clock seconds of one forward and backward pass of `model` on `batch` (gradients then cleared)."""
+    started = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = model(**batch).loss
+    loss.backward()
+    seconds = time.perf_counter() - started
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
 def time_training_precisions(config: VaswaniConfig, *, rows: int = 32, length: int = 32,
-                             repetitions: int = 3) -> tuple[float, float]:
-    """Median wall-clock seconds of one CPU training step's forward and backward pass, `(fp32, bf16 autocast)`.
+                             repetitions: int = 5) -> tuple[float, float]:
+    """The fastest of `repetitions` wall-clock times of one CPU training step's forward and backward pass, in seconds,
+    `(fp32, bf16 autocast)`.
 
     The step is that of a fresh model of `config`'s widths (d_model, heads, d_ff, vocabulary, activation, layer
     norm placement) with one layer per stack, on a random batch of `rows` x `length` source and target tokens
     (the last quarter of half the source rows padding; at most `max_position_embeddings` tokens with learned
     positions), in train mode with dropout: the ratio of the two times, not the times, is what it is for, and a
     layer's products and the output projection keep their shapes. The two precisions alternate, after one untimed
-    step each, so that load from other processes hits both alike. The global random state is restored afterwards.
-    About 2 s at the `cpu` preset's widths.
+    step each, so that load from other processes hits both alike, and the fastest step of each counts, so that a
+    burst of load that slows some of one precision's steps does not decide (docs/results.md, "What the main job does").
+    The global random state is restored afterwards. About 2 s at the `cpu` preset's widths.
     """
     import copy
 
@@ -70,17 +82,14 @@ def time_training_precisions(config: VaswaniConfig, *, rows: int = 32, length: i
         labels = torch.randint(4, probe.vocab_size, (rows, length))
         mask = torch.ones(rows, length, dtype=torch.long)
         mask[: rows // 2, length - length // 4:] = 0
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         with training_fast_paths(model):  # the step as the run takes it
             for repetition in range(repetitions + 1):
                 for bf16 in (False, True):
-                    started = time.perf_counter()
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-                    loss.backward()
+                    seconds = _timed_step(model, batch, bf16)
                     if repetition:
-                        times[bf16].append(time.perf_counter() - started)
-                    model.zero_grad(set_to_none=True)
-    return statistics.median(times[False]), statistics.median(times[True])
+                        times[bf16].append(seconds)
+    return min(times[False]), min(times[True])
 
 
 def precision_probe_config(model_args: ModelArguments, preset: dict[str, Any]) -> VaswaniConfig:
