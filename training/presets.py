@@ -37,7 +37,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         # beat 4 (same page, "Dropout"); nor, with native bf16, did d_ff 2048 or d_model 384 in the steps they fit
         # in the budget (same page, "The model's width").
         # A joint BPE of 8,000 entries: 5,000 fitted 1.12x the steps and scored higher on validation in bf16 but lower
-        # in the fp32 run of the budget (docs/results.md, "The vocabulary size"), so it was not taken.
+        # in the fp32 run of the budget, and lower in bf16 too at 1,024-token batches (docs/results.md, "The vocabulary
+        # size"), so it was not taken.
         "max_tokens": 1024, "warmup_steps": 400, "lr_factor": 0.5, "max_steps": 8000, "vocab_size": 8000,
         # The whole command (start to BLEU printed) plans its steps to end within this budget (training/planner.py):
         # up to max_steps, fewer on a slower machine, the schedule always ending in a linear cooldown to lr 0 over
