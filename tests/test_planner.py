@@ -316,11 +316,9 @@ def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
 
 
 def test_a_burst_of_load_on_some_bf16_steps_does_not_decide_the_precision(monkeypatch):
-    """Two of three bf16 steps slowed by other load (a median of them would read 158 ms against 165 ms and take fp32):
-    the fastest step of each precision counts, and bf16's 110 ms against 165 wins."""
+    """Three of five bf16 steps slowed by other load (their median, 158 ms, against fp32's 166 ms is under the 1.15x
+    margin and would take fp32): the fastest step of each precision counts, 110 ms against 165."""
     from vaswani_training import precision
-    from vaswani_training.arguments import ModelArguments
-    from vaswani_training.presets import PRESETS
 
     script = iter([0.5, 0.5,  # the untimed first step of each
                    0.165, 0.160, 0.170, 0.158, 0.165, 0.110, 0.168, 0.158, 0.166, 0.112])  # fp32, bf16 alternating
@@ -329,10 +327,7 @@ def test_a_burst_of_load_on_some_bf16_steps_does_not_decide_the_precision(monkey
     fp32, bf16 = precision.time_training_precisions(tiny_config(vocab_size=300, num_heads=2, d_ff=64))
     assert (fp32, bf16) == (0.165, 0.110)
     assert asked == [False, True] * 6  # 1 untimed + 5 timed each, alternating
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
-    monkeypatch.setattr(precision, "time_training_precisions", lambda config: (fp32, bf16))
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert precision.cpu_precision(_recipe("auto"), ModelArguments(), PRESETS["cpu"])[0] is True
+    assert fp32 >= precision.BF16_MIN_SPEEDUP * bf16  # bf16 is taken (the choice itself: the test above)
 
 
 @pytest.mark.parametrize("cpu_bf16, native, budget", [
