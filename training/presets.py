@@ -34,9 +34,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         # +0.94 and +0.36 validation BLEU (docs/results.md, "The batch size"); 512 lost 0.8-1.6 there, and 2,048 had
         # beaten 4,096 by 2.8 test BLEU. Learning-rate factors 0.35 and 0.7 lost to 0.5 at 1,024 (same page).
         # Dropout stays the paper's 0.1: 0, 0.05, 0.2 and 0.3 did not beat it on validation, 0.15 beat it by 0.10-0.71
-        # at native bf16's 5,000-5,945 steps and lost at the AVX2 path's 3,500, within the seeds' spread; nor did 8
-        # heads beat 4 (same page, "Dropout"); nor, with native bf16, did d_ff 2048, d_model 384 or 2+2 layers in the
-        # steps they fit in the budget (same page, "The model's width", "Two layers on each side").
+        # at the 5,000-5,945 steps native bf16 fits and lost at the AVX2 path's 3,500, within the seeds' spread; nor
+        # did 8 heads beat 4 (same page, "Dropout"); nor, with native bf16, did d_ff 2048, d_model 384 or 2+2 layers in
+        # the steps they fit in the budget (same page, "The model's width", "Two layers on each side").
         # A joint BPE of 8,000 entries: 5,000 fitted 1.12x the steps and scored higher on validation in bf16 but lower
         # in the fp32 run of the budget, and lower in bf16 too at 1,024-token batches (docs/results.md, "The vocabulary
         # size"), so it was not taken.
