@@ -59,6 +59,7 @@ from .choose import (
     search_passes,
     write_given_decoding,
 )
+from .dropout import LongRunDropout, long_run_dropout
 from .output_dir import claim_output_dir, retire_previous_results
 from .planner import BudgetPlanner
 from .precision import cpu_precision
@@ -448,7 +449,7 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         train_dataset.check_first_batch()  # a stream that yields no batch would train 0 steps and save the random init
     if run.recipe.save_every_minutes:
         callbacks.append(SaveEvery(run.recipe.save_every_minutes))
-    planner = None
+    planner = dropout_choice = None
     if plan.budget_minutes:
         passes = search_passes(run, "validation" in raw)
         search_sentences = len(select(raw["validation"], search_limit)) if passes else 0
@@ -461,6 +462,11 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
             search_sentences=passes * search_sentences * SEARCH_COST_FACTOR,
             cooldown_checkpoints=COOLDOWN_CHECKPOINTS if averaging_searched(run) and passes else 0)
         callbacks.append(planner)
+        long_run = long_run_dropout(run.preset, run.model_args.config_overrides, run.model_args.model_name_or_path)
+        if long_run is not None:
+            dropout_choice = LongRunDropout(planner, long_run["min_steps"], long_run["probabilities"],
+                                            resume_from=plan.resume_from)
+            callbacks.append(dropout_choice)
     trainer = PaperTrainer(
         model=model,
         args=training_args,
@@ -521,6 +527,9 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         metrics["train_tokens_per_second"] = round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1)
     if planner is not None and planner.plans:
         metrics["plan"] = planner.plans[-1]
+    if dropout_choice is not None:  # what the preset's long_run_dropout offered and whether the plan took it
+        metrics["long_run_dropout"] = {"min_steps": dropout_choice.min_steps, **dropout_choice.probabilities,
+                                       "applied": bool(dropout_choice.applied)}
     if main_process and choice is not None:
         metrics["chosen_on_validation"] = choice
         metrics["averaged_checkpoints"] = choice["chosen"]["average_last"] if choice["averaged_from"] else \

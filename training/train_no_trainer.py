@@ -32,7 +32,8 @@ training/presets.py and vaswani_hf), and every shared flag works the same way.
 What it does not do, and train.py does:
 - plan its updates to a time budget: with a budget (--time_budget_minutes, or the cpu and gpu presets' without
   --max_steps) it stops training by the clock, early enough for the test translation to end within the budget,
-  with the paper's schedule and no cooldown, so a budget-stopped run ends at a high learning rate;
+  with the paper's schedule and no cooldown, so a budget-stopped run ends at a high learning rate (and without a
+  plan, the cpu preset's `long_run_dropout` is not used);
 - validation BLEU every --eval_steps;
 - FSDP or DeepSpeed: data parallel only (one process per device, DDP); for FSDP use train.py with
   training/accelerate_configs/fsdp_big.yaml.

@@ -1,0 +1,136 @@
+"""Dropout set on a built model (training/dropout.py): the cpu preset's `long_run_dropout`, which a run takes when its
+first plan fits enough updates, computes as a model built with it, and a resumed run keeps its checkpoint's choice."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import padded_batch, tiny_model
+from transformers import TrainerControl, TrainerState
+
+from vaswani_hf import VaswaniForConditionalGeneration
+from vaswani_hf.fast_paths_vaswani import training_fast_paths
+from vaswani_training.dropout import LongRunDropout, long_run_dropout, set_dropout
+from vaswani_training.presets import PRESETS
+from vaswani_training.publish import render_model_card
+
+SET = {"dropout": 0.2, "attention_dropout": 0.3, "activation_dropout": 0.25}
+
+
+def _train_mode_loss(model, seed: int = 5) -> torch.Tensor:
+    ids, mask = padded_batch(seed=1)
+    labels = ids.roll(1, dims=1).masked_fill(mask == 0, -100)
+    torch.manual_seed(seed)
+    return model.train()(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+@pytest.mark.parametrize("fast_paths", [False, True])
+def test_set_dropout_computes_as_the_model_built_with_it(fast_paths):
+    """Same weights, same random state: the model given the dropout after construction (with the CPU training fast
+    paths installed or not) gives the loss of the model built with it, and not the loss it gave before."""
+    built = tiny_model(seed=3, **SET)
+    changed = tiny_model(seed=3)
+    changed.load_state_dict(built.state_dict())
+    if fast_paths:
+        with training_fast_paths(built), training_fast_paths(changed):
+            before = _train_mode_loss(changed)
+            set_dropout(changed, **SET)
+            after, expected = _train_mode_loss(changed), _train_mode_loss(built)
+    else:
+        before = _train_mode_loss(changed)
+        set_dropout(changed, **SET)
+        after, expected = _train_mode_loss(changed), _train_mode_loss(built)
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)
+    assert abs(before.item() - after.item()) > 1e-3
+    assert {name: getattr(changed.config, name) for name in SET} == SET
+
+
+def test_set_dropout_refuses_what_is_not_a_dropout_probability():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="'label_smoothing' is not a dropout field"):
+        set_dropout(model, label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"attention_dropout=1.0 is not a probability in \[0, 1\)"):
+        set_dropout(model, attention_dropout=1.0)
+    assert model.config.attention_dropout == 0.0  # nothing set when one value is refused
+
+
+def _drive(callback, model, plans, resume_config=None):
+    """Call the callback as the Trainer would, the planner's plan after each step being `plans[step - 1]`."""
+    args, state, control = SimpleNamespace(), TrainerState(), TrainerControl()
+    callback.on_train_begin(args, state, control, model=model)
+    for step, planned in enumerate(plans, start=1):
+        callback.planner.planned_steps = planned
+        state.global_step = step
+        callback.on_step_end(args, state, control, model=model)
+
+
+@pytest.mark.parametrize("first_plan, applied", [(5000, True), (5611, True), (4999, False), (3500, False)])
+def test_the_first_plan_decides_once(first_plan, applied, capsys):
+    """The dropout applies from `min_steps` planned updates on, decided at the first plan: a later plan across the
+    threshold (a run that slows down, or speeds up) does not change it."""
+    model = tiny_model()
+    callback = LongRunDropout(SimpleNamespace(planned_steps=None), 5000,
+                              {"attention_dropout": 0.1, "activation_dropout": 0.1})
+    later = 3000 if applied else 6000
+    _drive(callback, model, [None] * 11 + [first_plan] + [later] * 5)
+    expected = 0.1 if applied else 0.0
+    assert model.config.attention_dropout == expected and model.config.activation_dropout == expected
+    assert all(layer.self_attn.dropout == expected and layer.activation_dropout.p == expected
+               for layer in model.model.encoder.layers)
+    assert all(layer.encoder_attn.dropout == expected for layer in model.model.decoder.layers)
+    assert model.config.dropout == 0.1  # the paper's residual dropout stays
+    assert callback.applied is applied
+    printed = capsys.readouterr().out
+    assert (f"Planned {first_plan} >= 5000 steps: training on with attention_dropout 0.1, activation_dropout 0.1"
+            in printed) is applied
+
+
+def test_a_resumed_run_keeps_its_checkpoints_dropout(tmp_path):
+    """Resuming: the checkpoint's config.json says what the run chose; the plan of the resumed run does not decide
+    again, either way."""
+    for saved, plan, expected in [(0.1, 3000, 0.1), (0.0, 6000, 0.0)]:
+        checkpoint = tmp_path / f"checkpoint-{saved}"
+        checkpoint.mkdir()
+        (checkpoint / "config.json").write_text(json.dumps({"attention_dropout": saved, "activation_dropout": saved}))
+        model = tiny_model()
+        callback = LongRunDropout(SimpleNamespace(planned_steps=None), 5000,
+                                  {"attention_dropout": 0.1, "activation_dropout": 0.1}, resume_from=str(checkpoint))
+        _drive(callback, model, [plan] * 3)
+        assert model.config.attention_dropout == expected and model.model.decoder.layers[0].activation_dropout.p \
+            == expected
+
+
+def test_the_cpu_preset_offers_it_and_the_command_line_wins():
+    assert long_run_dropout(PRESETS["cpu"]) == {
+        "min_steps": 5000, "probabilities": {"attention_dropout": 0.1, "activation_dropout": 0.1}}
+    assert long_run_dropout(PRESETS["cpu"], "attention_dropout=0.0,d_model=128") == {
+        "min_steps": 5000, "probabilities": {"activation_dropout": 0.1}}
+    assert long_run_dropout(PRESETS["cpu"], "attention_dropout=0,activation_dropout=0") is None
+    assert long_run_dropout(PRESETS["cpu"], model_name_or_path="some/model") is None
+    assert all(long_run_dropout(PRESETS[name]) is None for name in ("base", "big", "gpu", "tiny"))
+
+
+def test_vaswani_train_records_the_choice_in_the_saved_config_and_metrics(tmp_path, monkeypatch, capsys):
+    """The real command with a budget: a plan of 24 updates reaches the tiny preset's threshold of 20 (set here), so
+    the saved model's config.json has the dropout and metrics.json says it was applied."""
+    from vaswani_training.train import main
+
+    monkeypatch.setitem(PRESETS["tiny"], "long_run_dropout", {"min_steps": 20, "attention_dropout": 0.1,
+                                                              "activation_dropout": 0.05})
+    out = tmp_path / "run"
+    metrics = main(["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"),
+                    "--max_train_samples", "300", "--max_steps", "24", "--time_budget_minutes", "60",
+                    "--length_penalty", "0.6", "--warmup_steps", "4", "--eval_strategy", "no",
+                    "--max_test_samples", "4", "--save_steps", "100", "--cpu_bf16", "no", "--report_to", "none"])
+    assert "Planned 24 >= 20 steps: training on with attention_dropout 0.1, activation_dropout 0.05" in \
+        capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_dropout"] == 0.1 and config["activation_dropout"] == 0.05 and config["dropout"] == 0.1
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["long_run_dropout"] == metrics["long_run_dropout"] == {
+        "min_steps": 20, "attention_dropout": 0.1, "activation_dropout": 0.05, "applied": True}
+    card = render_model_card(VaswaniForConditionalGeneration.from_pretrained(out), saved, repo_id="someone/tiny")
+    assert "| 0.1 (and 0.1 on attention probabilities, 0.05 after the FFN's ReLU: not in the paper) / 0.1 |" in card
+    plain = render_model_card(tiny_model(), saved, repo_id="someone/tiny")
+    assert "| 0.1 / 0.1 |" in plain and "not in the paper" not in plain
