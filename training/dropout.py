@@ -1,12 +1,13 @@
 """Dropout that follows the planned length of a run: a run that fits many updates in its time budget trains with more.
 
-The `cpu` preset's budget gives about 3,500 updates where a CPU computes in fp32 and 5,000-6,000 where it has native
-bf16. At 5,000-5,945 updates, dropout on the attention probabilities and after the FFN's ReLU (0.1 each, which the
-paper does not use, §5.4) scored higher on validation than the paper's residual dropout alone; the AVX2 path's 3,500
-updates were not shown to gain (docs/results.md, "Dropout at 1,024-token batches"). So the preset names the extra
-dropout and the number of planned updates from which it applies (`long_run_dropout`), and `LongRunDropout` sets it
-once the `BudgetPlanner` has made its first plan (after 12 updates), before the run's
-dropout could matter.
+The `cpu` preset's budget gives about 3,500-4,200 updates where a CPU computes in fp32 and 5,000-6,000 where it has
+native bf16. At 5,000-5,945 updates, dropout on the attention probabilities and after the FFN's ReLU (0.1 each, which
+the paper does not use, §5.4) scored higher on validation than the paper's residual dropout alone, in each of three
+pairs of runs of one seed; at the fp32 path's step counts it was not measured (docs/results.md, "Dropout at 1,024-token
+batches"). So the preset names the extra dropout and the number of updates the first plan must reach for it
+(`long_run_dropout`), and `LongRunDropout` sets it on the model once the `BudgetPlanner` has made that plan (after 12
+of the run's thousands of updates). The first plan, timed on the slower first steps, runs under the steps a run ends
+with, hence a threshold below the step counts measured.
 """
 
 from __future__ import annotations
