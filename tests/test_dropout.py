@@ -55,7 +55,7 @@ def test_set_dropout_refuses_what_is_not_a_dropout_probability():
     assert model.config.attention_dropout == 0.0  # nothing set when one value is refused
 
 
-def _drive(callback, model, plans, resume_config=None):
+def _drive(callback, model, plans):
     """Call the callback as the Trainer would, the planner's plan after each step being `plans[step - 1]`."""
     args, state, control = SimpleNamespace(), TrainerState(), TrainerControl()
     callback.on_train_begin(args, state, control, model=model)

@@ -50,9 +50,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "time_budget_minutes": 26, "cooldown_fraction": 0.2,
         # Where the first plan (step 12) fits >= 4,000 updates, dropout on the attention probabilities and after the
         # FFN's ReLU too (not in the paper; training/dropout.py): +0.44 to +0.75 validation BLEU over the preset in
-        # three pairs of seeds at 5,000-5,945 steps (docs/results.md, "Dropout at 1,024-token batches"). The first
-        # plan runs under the steps a run ends with (bf16 on the Zen 4: 4,657 -> 5,945; AVX2: 3,650 -> 4,181), so
-        # 4,000 takes the bf16 runs and leaves the AVX2 path's ~3,500-4,200, where it was not tried, as it was.
+        # three pairs of seeds at 5,000-5,945 steps. The first plan runs under the final steps; the fp32 runs measured,
+        # at step counts where it was not tried, planned under 4,000 (docs/results.md, "Dropout at 1,024-token
+        # batches").
         "long_run_dropout": {"min_steps": 4000, "attention_dropout": 0.1, "activation_dropout": 0.1},
         "max_eval_samples": 200, "trainer": {"eval_steps": 500, "save_steps": 500},
     },
