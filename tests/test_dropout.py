@@ -2,6 +2,7 @@
 first plan fits enough updates, computes as a model built with it, and a resumed run keeps its checkpoint's choice."""
 
 import json
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -32,12 +33,8 @@ def test_set_dropout_computes_as_the_model_built_with_it(fast_paths):
     built = tiny_model(seed=3, **SET)
     changed = tiny_model(seed=3)
     changed.load_state_dict(built.state_dict())
-    if fast_paths:
-        with training_fast_paths(built), training_fast_paths(changed):
-            before = _train_mode_loss(changed)
-            set_dropout(changed, **SET)
-            after, expected = _train_mode_loss(changed), _train_mode_loss(built)
-    else:
+    installed = (training_fast_paths(built), training_fast_paths(changed)) if fast_paths else (nullcontext(),) * 2
+    with installed[0], installed[1]:
         before = _train_mode_loss(changed)
         set_dropout(changed, **SET)
         after, expected = _train_mode_loss(changed), _train_mode_loss(built)
@@ -53,6 +50,11 @@ def test_set_dropout_refuses_what_is_not_a_dropout_probability():
     with pytest.raises(ValueError, match=r"attention_dropout=1.0 is not a probability in \[0, 1\)"):
         set_dropout(model, attention_dropout=1.0)
     assert model.config.attention_dropout == 0.0  # nothing set when one value is refused
+    planner = SimpleNamespace(planned_steps=None)
+    with pytest.raises(ValueError, match="LongRunDropout: no dropout field to set"):
+        LongRunDropout(planner, 4000, {})
+    with pytest.raises(ValueError, match=r"LongRunDropout: activation_dropout=1.5 is not a probability"):
+        LongRunDropout(planner, 4000, {"activation_dropout": 1.5})
 
 
 def _drive(callback, model, plans):

@@ -18,7 +18,18 @@ from pathlib import Path
 from torch import nn
 from transformers import TrainerCallback
 
+from .presets import parse_overrides
+
 DROPOUT_FIELDS = ("dropout", "attention_dropout", "activation_dropout")
+
+
+def _check_probabilities(probabilities: dict[str, float], who: str) -> None:
+    """Raise ValueError for a field that is not in `DROPOUT_FIELDS` or a value outside [0, 1)."""
+    for name, p in probabilities.items():
+        if name not in DROPOUT_FIELDS:
+            raise ValueError(f"{who}: {name!r} is not a dropout field; use one of {', '.join(DROPOUT_FIELDS)}.")
+        if not 0.0 <= float(p) < 1.0:
+            raise ValueError(f"{who}: {name}={p!r} is not a probability in [0, 1).")
 
 
 def set_dropout(model: nn.Module, **probabilities: float) -> None:
@@ -34,11 +45,7 @@ def set_dropout(model: nn.Module, **probabilities: float) -> None:
     """
     from vaswani_hf.modeling_vaswani import VaswaniAttention
 
-    for name, p in probabilities.items():
-        if name not in DROPOUT_FIELDS:
-            raise ValueError(f"set_dropout: {name!r} is not a dropout field; use one of {', '.join(DROPOUT_FIELDS)}.")
-        if not 0.0 <= float(p) < 1.0:
-            raise ValueError(f"set_dropout: {name}={p!r} is not a probability in [0, 1).")
+    _check_probabilities(probabilities, "set_dropout")
     for name, p in probabilities.items():
         setattr(model.config, name, float(p))
     for module in model.modules():
@@ -59,25 +66,25 @@ class LongRunDropout(TrainerCallback):
     Args:
         planner: the run's `BudgetPlanner` (its `planned_steps` is None until the first plan).
         min_steps: the fewest planned updates at which the dropout applies.
-        probabilities: dropout fields and values (`DROPOUT_FIELDS`); fields the command line set
+        probabilities: dropout fields and values (`DROPOUT_FIELDS`), at least one; fields the command line set
             (--config_overrides) are left out by the caller.
         resume_from: the checkpoint folder a resumed run starts from, or None.
     Raises:
-        ValueError: min_steps < 1 or an unknown field (`set_dropout`'s checks run at the choice).
+        ValueError: min_steps < 1, no field, an unknown field or a value outside [0, 1).
     """
 
     def __init__(self, planner, min_steps: int, probabilities: dict[str, float], resume_from: str | None = None):
         if min_steps < 1:
             raise ValueError(f"min_steps must be >= 1, got {min_steps}.")
-        unknown = sorted(set(probabilities) - set(DROPOUT_FIELDS))
-        if unknown:
-            raise ValueError(f"LongRunDropout: {', '.join(unknown)} not dropout fields ({', '.join(DROPOUT_FIELDS)}).")
+        if not probabilities:
+            raise ValueError("LongRunDropout: no dropout field to set.")
+        _check_probabilities(probabilities, "LongRunDropout")
         self.planner, self.min_steps, self.probabilities = planner, min_steps, dict(probabilities)
         self.resume_from = resume_from
         self.applied: bool | None = None  # None until chosen
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.resume_from is None or not self.probabilities:
+        if self.resume_from is None:
             return control
         config_path = Path(self.resume_from) / "config.json"
         saved = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -88,7 +95,7 @@ class LongRunDropout(TrainerCallback):
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self.applied is not None or self.planner.planned_steps is None or not self.probabilities:
+        if self.applied is not None or self.planner.planned_steps is None:
             return control
         self.applied = self.planner.planned_steps >= self.min_steps
         listing = ", ".join(f"{name} {p:g}" for name, p in self.probabilities.items())
@@ -107,8 +114,6 @@ def long_run_dropout(preset: dict, config_overrides: str | None = None,
     """The preset's `long_run_dropout` for this command: `{"min_steps": int, "probabilities": {field: p}}` without
     the fields --config_overrides sets (the command line wins), or None where the preset has none, every field is
     given, or the run continues a saved model (`--model_name_or_path`: its config decides)."""
-    from .presets import parse_overrides
-
     spec = preset.get("long_run_dropout")
     if not spec or model_name_or_path:
         return None
