@@ -136,3 +136,32 @@ def test_vaswani_train_records_the_choice_in_the_saved_config_and_metrics(tmp_pa
     assert "| 0.1 (and 0.1 on attention probabilities, 0.05 after the FFN's ReLU: not in the paper) / 0.1 |" in card
     plain = render_model_card(tiny_model(), saved, repo_id="someone/tiny")
     assert "| 0.1 / 0.1 |" in plain and "not in the paper" not in plain
+
+
+def test_vaswani_train_resumed_keeps_the_choice_its_checkpoint_made(tmp_path, monkeypatch, capsys):
+    """The real command, stopped and resumed: the first run's plan (24 updates) takes the dropout at step 12 and
+    checkpoint-12 records it; resumed from there with a threshold its plan no longer reaches, the run keeps the
+    checkpoint's choice and says so in config.json and metrics.json, and it prints no new decision."""
+    from vaswani_training.train import main
+
+    out = tmp_path / "run"
+    common = ["--preset", "tiny", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"),
+              "--max_train_samples", "300", "--max_steps", "24", "--time_budget_minutes", "60",
+              "--length_penalty", "0.6", "--warmup_steps", "4", "--eval_strategy", "no", "--max_test_samples", "4",
+              "--save_steps", "12", "--cpu_bf16", "no", "--report_to", "none"]
+    monkeypatch.setitem(PRESETS["tiny"], "long_run_dropout", {"min_steps": 20, "attention_dropout": 0.1,
+                                                              "activation_dropout": 0.05})
+    main(common)
+    assert "Planned 24 >= 20 steps" in capsys.readouterr().out
+    saved = json.loads((out / "checkpoint-12" / "config.json").read_text())
+    assert saved["attention_dropout"] == 0.1 and saved["activation_dropout"] == 0.05
+
+    monkeypatch.setitem(PRESETS["tiny"], "long_run_dropout", {"min_steps": 1000, "attention_dropout": 0.1,
+                                                              "activation_dropout": 0.05})
+    metrics = main([*common, "--resume_from_checkpoint", str(out / "checkpoint-12")])
+    printed = capsys.readouterr().out
+    assert "1000 steps" not in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_dropout"] == 0.1 and config["activation_dropout"] == 0.05
+    assert metrics["long_run_dropout"] == {"min_steps": 1000, "attention_dropout": 0.1, "activation_dropout": 0.05,
+                                           "applied": True}
