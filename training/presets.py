@@ -37,8 +37,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         # 0.10-0.71 at the 5,000-5,945 steps native bf16 fits and lost at the AVX2 path's 3,500; nor
         # did 8 heads beat 4 (same page, "Dropout"); nor, with native bf16, did d_ff 2048, d_model 384 or 2+2 layers in
         # the steps they fit in the budget (same page, "The model's width", "Two layers on each side"); nor, beside the
-        # long-run dropout below, did 4+2 layers, dropout 0.15 or label smoothing 0.2 (same page, "Levers on top of
-        # the long-run dropout").
+        # long-run dropout below, did 4+2 layers or dropout 0.15, and label smoothing 0.2 (off §5.4) gained no more
+        # than two seeds differ (same page, "Levers on top of the long-run dropout").
         # A joint BPE of 8,000 entries: 5,000 fitted 1.12x the steps and scored higher on validation in bf16 but lower
         # in the fp32 run of the budget, and lower in bf16 too at 1,024-token batches (docs/results.md, "The vocabulary
         # size"), so it was not taken.
