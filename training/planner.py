@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -50,10 +51,19 @@ def process_start_monotonic() -> float:
 _IMPORTED_AT = time.monotonic()
 
 
+# Saving, scoring and printing after the last decoding: the time after training of the cpu preset's runs was the
+# choice's and the test translation's decoding to within a few seconds (docs/results.md, "What the main job does").
+SECONDS_AFTER_DECODING = 10.0
+# Validation runs whose per-sentence time sets the estimate of the decoding after training: the median of the last 3,
+# so that one run slowed by other load does not move the plan.
+VALIDATION_RUNS_TIMED = 3
+
+
 def seconds_after_training(test_sentences: int, seconds_per_sentence: float, search_sentences: float = 0) -> float:
     """Estimated time of everything after training: the choice on validation (`search_sentences`, in units of one
-    test sentence's decoding; training/choose.py), translating `test_sentences` and saving (20 s)."""
-    return 20.0 + (test_sentences + search_sentences) * seconds_per_sentence
+    test sentence's decoding; training/choose.py), translating `test_sentences` and saving
+    (`SECONDS_AFTER_DECODING`)."""
+    return SECONDS_AFTER_DECODING + (test_sentences + search_sentences) * seconds_per_sentence
 
 
 class BudgetPlanner(TrainerCallback):
@@ -100,6 +110,7 @@ class BudgetPlanner(TrainerCallback):
         self.precision, self.precision_reason = precision, precision_reason
         self.measure_steps, self.measure_from, self.replan_every = measure_steps, measure_from, replan_every
         self.seconds_per_sentence = seconds_per_test_sentence
+        self._validation_sentence_seconds: list[float] = []
         self.start = process_start_monotonic() if start is None else start
         self.planned_steps: int | None = None
         self.cooldown_steps = 0
@@ -213,7 +224,8 @@ class BudgetPlanner(TrainerCallback):
         runtime = (metrics or {}).get("eval_runtime")
         if runtime and self.eval_sentences:
             # validation decodes with the same beam as the test: its speed is the best estimate for the final run
-            self.seconds_per_sentence = runtime / self.eval_sentences
+            self._validation_sentence_seconds.append(runtime / self.eval_sentences)
+            self.seconds_per_sentence = statistics.median(self._validation_sentence_seconds[-VALIDATION_RUNS_TIMED:])
         if self._timed_from is not None and runtime:
             self._eval_seconds += runtime
         if self.step_seconds is not None:
