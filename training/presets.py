@@ -52,9 +52,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "time_budget_minutes": 26, "cooldown_fraction": 0.2,
         # Where the first plan (step 12) fits >= 4,000 updates, dropout on the attention probabilities and after the
         # FFN's ReLU too (not in the paper; training/dropout.py): +0.44 to +0.75 validation BLEU over the preset in
-        # three pairs of seeds at 5,000-5,945 steps. The first plan runs under the final steps; the fp32 runs measured,
-        # at step counts where it was not tried, planned under 4,000 (docs/results.md, "Dropout at 1,024-token
-        # batches").
+        # three pairs of seeds at 5,000-5,945 steps. The first plan runs under the final steps. The AVX2 path's first
+        # plans lie near the threshold (3,435-4,047); at its 4,200 fp32 steps one pair scored 0.32 lower with it
+        # (docs/results.md, "Dropout at 1,024-token batches").
         "long_run_dropout": {"min_steps": 4000, "attention_dropout": 0.1, "activation_dropout": 0.1},
         "max_eval_samples": 200, "trainer": {"eval_steps": 500, "save_steps": 500},
     },
