@@ -52,7 +52,7 @@ _IMPORTED_AT = time.monotonic()
 
 
 # Saving, scoring and printing after the last decoding: the time after training of the cpu preset's runs was the
-# choice's and the test translation's decoding to within a few seconds (docs/results.md, "What the main job does").
+# choice's and the test translation's decoding to within a few seconds (docs/results.md, "Results on a 2-core CPU").
 SECONDS_AFTER_DECODING = 10.0
 # Validation runs whose per-sentence time sets the estimate of the decoding after training: the median of the last 3,
 # so that one run slowed by other load does not move the plan.
