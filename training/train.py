@@ -465,7 +465,7 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         long_run = long_run_dropout(run.preset, run.model_args.config_overrides, run.model_args.model_name_or_path)
         if long_run is not None:
             dropout_choice = LongRunDropout(planner, long_run["min_steps"], long_run["probabilities"],
-                                            resume_from=plan.resume_from)
+                                            at_step=long_run["at_step"], resume_from=plan.resume_from)
             callbacks.append(dropout_choice)
     trainer = PaperTrainer(
         model=model,
@@ -528,7 +528,8 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
     if planner is not None and planner.plans:
         metrics["plan"] = planner.plans[-1]
     if dropout_choice is not None:  # what the preset's long_run_dropout offered and whether the plan took it
-        metrics["long_run_dropout"] = {"min_steps": dropout_choice.min_steps, **dropout_choice.probabilities,
+        metrics["long_run_dropout"] = {"min_steps": dropout_choice.min_steps, "at_step": dropout_choice.at_step,
+                                       **dropout_choice.probabilities,
                                        "applied": bool(dropout_choice.applied)}
     if main_process and choice is not None:
         metrics["chosen_on_validation"] = choice
