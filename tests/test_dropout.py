@@ -90,7 +90,7 @@ def test_the_first_plan_decides_once(first_plan, applied, capsys):
             f"activation_dropout 0.1" in printed) is applied
 
 
-@pytest.mark.parametrize("plan_at_50, applied", [(4200, True), (4621, True), (4199, False), (3788, False)])
+@pytest.mark.parametrize("plan_at_50, applied", [(4200, True), (4451, True), (4199, False), (3788, False)])
 def test_the_plan_at_at_step_decides_not_the_first(plan_at_50, applied, capsys):
     """With at_step 50 the plans of steps 12-49 do not decide, even across the threshold either way: the model keeps
     its build until the end of step 50, whose plan decides once for the rest of the run."""
