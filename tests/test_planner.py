@@ -151,7 +151,36 @@ def test_a_run_that_falls_behind_in_the_cooldown_ends_sooner_with_lr_0(clock):
     assert all(later <= earlier for earlier, later in zip(cooldown_ends, cooldown_ends[1:], strict=False))
     lam = sched.lr_lambdas[0]
     assert lam(step - 1) > 0 and lam(step) == 0.0
-    assert clock.now - 1000 + planner.final_seconds() <= 600 + 0.75  # within the one slow step that crossed it
+    assert clock.now - 1000 + planner.final_seconds() <= 600
+
+
+def _run_with_slow_steps(clock, slow_steps: dict[int, float]) -> int:
+    """Drive a 10-minute planner at 0.5 s a step, step k taking `slow_steps[k]` instead; return the last step."""
+    sched = _schedule()
+    planner = BudgetPlanner(10, 10_000, cooldown_fraction=0.2, start=clock.now, replan_every=10)
+    args = SimpleNamespace(eval_steps=None, eval_strategy="no")
+    state, control = TrainerState(), TrainerControl()
+    step = 0
+    while not control.should_training_stop:
+        step += 1
+        clock.now += slow_steps.get(step, 0.5)
+        sched.optimizer.step()
+        sched.step()
+        state.global_step = step
+        planner.on_step_end(args, state, control, lr_scheduler=sched)
+    assert step == planner.planned_steps and clock.now - 1000 + planner.final_seconds() <= 600
+    return step
+
+
+def test_one_slow_step_in_the_cooldown_costs_its_own_time_not_a_slower_pace(clock):
+    """The cooldown's pace is the median of the last `replan_every` steps: one step slowed by 5 s (a checkpoint
+    saved) moves the end sooner by the ~9 steps that time would have trained, not by the pace of a mean that the one
+    step doubles."""
+    start = clock.now
+    plain = _run_with_slow_steps(clock, {})
+    clock.now = start
+    slowed = _run_with_slow_steps(clock, {plain - 100: 5.0})
+    assert plain - 10 <= slowed <= plain - 8
 
 
 def test_bad_arguments_are_refused():

@@ -14,8 +14,9 @@ learning rate. `BudgetPlanner` instead:
    `cooldown_fraction` of the planned updates (`vaswani_hf.schedule.cooldown_learning_rate`);
 4. saves `cooldown_checkpoints` checkpoints evenly over the cooldown, for averaging (§6.1; training/choose.py);
 5. re-plans after every validation run and every `replan_every` steps with the speed measured so far (once the
-   cooldown has started, only to end sooner if the run falls behind: the lr still reaches 0 at the end), and stops
-   training at the planned update; a safety stop at the budget catches what planning could not.
+   cooldown has started, only to end sooner if the run falls behind, at the pace of its last `replan_every` steps
+   where their median is slower: the lr still reaches 0 at the end), and stops training at the planned update; a
+   safety stop at the budget catches what planning could not.
 
 It prints the plan (precision and why, threads, step time, planned steps and minutes) when it is made and whenever
 it changes by more than 2 %.
@@ -27,6 +28,7 @@ import logging
 import os
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -118,6 +120,10 @@ class BudgetPlanner(TrainerCallback):
         self._timed_from: tuple[int, float] | None = None  # (step, time) where step timing starts
         self._eval_seconds = 0.0  # time spent in validation since timing started (not training time)
         self._eval_started: float | None = None
+        # the last `replan_every` step times (validation left out): in the cooldown their median, if slower than the
+        # mean so far, is the pace of the steps to come, so that a run slowing down ends on its plan, inside the budget
+        self._recent_step_seconds: deque[float] = deque(maxlen=replan_every)
+        self._last_step_end: tuple[float, float] | None = None  # (time, validation seconds) at the last step's end
         self.plans: list[dict] = []
 
     # -- the plan ---------------------------------------------------------------------------------------------
@@ -131,7 +137,10 @@ class BudgetPlanner(TrainerCallback):
     def plan(self, step: int, eval_steps: int | None, lambdas) -> int:
         """Plan the run's last update from `step` on; set the schedule's end in `lambdas`; return the plan."""
         left = self.budget - self.elapsed() - self.final_seconds()
+        in_cooldown = self.planned_steps is not None and step > self.planned_steps - self.cooldown_steps
         per_step = self.step_seconds
+        if in_cooldown and len(self._recent_step_seconds) == self._recent_step_seconds.maxlen:
+            per_step = max(per_step, statistics.median(self._recent_step_seconds))
         evals_left = 0
         eval_seconds = self.eval_sentences * self.seconds_per_sentence
         if eval_steps:
@@ -143,7 +152,7 @@ class BudgetPlanner(TrainerCallback):
         planned = max(planned, step + 1)
         cooldown = min(int(round(planned * self.cooldown_fraction)), planned - 1)
         changed = self.planned_steps is None or abs(planned - self.planned_steps) > 0.02 * self.planned_steps
-        if self.planned_steps is not None and step > self.planned_steps - self.cooldown_steps:
+        if in_cooldown:
             # In the cooldown the end never moves later; if the run has fallen behind, it moves sooner from the same
             # cooldown start (the learning rate drops a little, then still reaches 0 at the new end).
             if planned >= self.planned_steps:
@@ -201,6 +210,9 @@ class BudgetPlanner(TrainerCallback):
         step = state.global_step
         now = time.monotonic()
         lambdas = getattr(lr_scheduler, "lr_lambdas", [])
+        if self._last_step_end is not None:
+            last, eval_seconds = self._last_step_end
+            self._recent_step_seconds.append(now - last - (self._eval_seconds - eval_seconds))
         if self._timed_from is None:
             if step >= self.measure_from:
                 self._timed_from, self._eval_seconds = (step, now), 0.0
@@ -208,6 +220,8 @@ class BudgetPlanner(TrainerCallback):
             first, t0 = self._timed_from
             self.step_seconds = max(1e-3, (now - t0 - self._eval_seconds) / max(1, step - first))
             self.plan(step, args.eval_steps if args.eval_strategy != "no" else None, lambdas)
+        if self._timed_from is not None:
+            self._last_step_end = (now, self._eval_seconds)
         if self.cooldown_checkpoint_due(step):
             control.should_save = True
         if self.planned_steps is not None and step >= self.planned_steps:
