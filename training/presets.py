@@ -53,7 +53,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # Where the plan at step 50 fits >= 4,200 updates, dropout on the attention probabilities and after the FFN's
         # ReLU too (not in the paper; training/dropout.py): +0.44 to +0.75 validation BLEU over the preset in three
         # pairs of seeds at 5,000-5,945 steps; at the AVX2 path's 4,200 fp32 steps one pair scored 0.32 lower with it.
-        # Plans run under the final steps; at step 50 the two paths lie further apart (3,579-3,908 against
+        # Plans run under the final steps; at step 50 the two paths lie further apart (3,579-4,126 against
         # 4,451-5,181) than at step 12 (docs/results.md, "Dropout at 1,024-token batches").
         "long_run_dropout": {"min_steps": 4200, "at_step": 50, "attention_dropout": 0.1, "activation_dropout": 0.1},
         "max_eval_samples": 200, "trainer": {"eval_steps": 500, "save_steps": 500},
