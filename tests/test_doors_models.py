@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import GERMAN, listing, run_without_vaswani_hf, save_model_folder, write_parallel
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from vaswani_hf import VaswaniForConditionalGeneration, train_joint_bpe
@@ -374,6 +374,7 @@ def _apply(values: dict, edits: dict) -> None:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(config=st.dictionaries(st.sampled_from((*REQUIRED_CONFIG_FIELDS, "model_type")), VALUES, max_size=2),
        generation=st.dictionaries(st.sampled_from(GENERATION_FIELDS), VALUES, max_size=2))
+@example(config={}, generation={"length_penalty": 32})  # an integer alpha once overflowed in transformers' |Y|**alpha
 def test_any_edit_of_the_config_files_is_refused_naming_the_file_or_translates(saved, tmp_path_factory, config,
                                                                              generation):
     from transformers import AutoTokenizer

@@ -53,6 +53,25 @@ def test_greedy_is_argmax_of_the_model():
     assert torch.equal(logits[:, :-1].argmax(-1), out[:, 1:])
 
 
+@pytest.mark.parametrize("alpha", [2, 32])
+@pytest.mark.parametrize("style", ["hf", "gnmt"])
+def test_an_integer_length_penalty_decodes_as_its_float(alpha, style):
+    """An integer alpha, as a generation_config.json may hold it (`"length_penalty": 32`), decodes as the same float;
+    transformers would raise OverflowError on |Y|**32 as a Python int divided into a tensor."""
+    model = tiny_model()
+    ids, mask = padded_batch(length=9)
+    common = dict(input_ids=ids, attention_mask=mask, num_beams=4, early_stopping=True, length_penalty_style=style,
+                  return_dict_in_generate=True, output_scores=True, **SHORT)
+    as_int = model.generate(length_penalty=alpha, **common)
+    as_float = model.generate(length_penalty=float(alpha), **common)
+    assert torch.equal(as_int.sequences, as_float.sequences)
+    torch.testing.assert_close(as_int.sequences_scores, as_float.sequences_scores, rtol=0, atol=0)
+    model.generation_config.length_penalty = alpha  # the folder's file, not the call, sets it
+    common.pop("length_penalty_style")
+    from_config = model.generate(length_penalty_style=style, **common)
+    assert torch.equal(from_config.sequences, as_float.sequences)
+
+
 def test_default_decoding_is_beam_4_with_length_penalty():
     model = tiny_model()
     ids, mask = padded_batch(length=9)

@@ -380,6 +380,9 @@ class VaswaniGenerationMixin(GenerationMixin):
         check_generation_values({name: getattr(config, name, None) for name in GENERATION_FIELDS if name not in kwargs},
                                 "generate(): the generation config (generation_config)")
         style = length_penalty_style(kwargs, config)
+        alpha = kwargs.get("length_penalty", getattr(config, "length_penalty", None))
+        if alpha is not None:  # an integer alpha makes transformers' |Y|**alpha a Python int, which overflows a tensor
+            kwargs["length_penalty"] = float(alpha)
         token = _LENGTH_PENALTY_STYLE.set(style)
         try:
             with inference_fast_paths(self, self.use_cpu_packed_linears, self.keep_packed_cpu_linears):
