@@ -374,7 +374,9 @@ def _apply(values: dict, edits: dict) -> None:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(config=st.dictionaries(st.sampled_from((*REQUIRED_CONFIG_FIELDS, "model_type")), VALUES, max_size=2),
        generation=st.dictionaries(st.sampled_from(GENERATION_FIELDS), VALUES, max_size=2))
-@example(config={}, generation={"length_penalty": 32})  # an integer alpha once overflowed in transformers' |Y|**alpha
+@example(config={}, generation={"length_penalty": 8})  # an integer alpha once overflowed in transformers' |Y|**alpha
+@example(config={}, generation={"length_penalty": 512.0})  # so does a float one this large: refused
+@example(config={}, generation={"decoder_start_token_id": DELETE, "bos_token_id": DELETE})  # no start token: refused
 def test_any_edit_of_the_config_files_is_refused_naming_the_file_or_translates(saved, tmp_path_factory, config,
                                                                              generation):
     from transformers import AutoTokenizer

@@ -236,6 +236,7 @@ def test_a_truncated_generation_config_is_refused_naming_the_file(saved):
     ("num_beams", "4", "an integer >= 1"), ("length_penalty", "x", "a finite number"),
     ("max_length", 3.5, "an integer"), ("do_sample", "no", "true or false"),
     ("early_stopping", "yes", 'true, false or "never"'), ("eos_token_id", [2, "3"], "a token id"),
+    ("length_penalty", 512.0, "a number from -20 to 20"), ("length_penalty", -21, "a number from -20 to 20"),
 ])
 def test_a_generation_config_value_of_the_wrong_type_is_refused_naming_the_field(saved, field, value, expected):
     _, folder = saved
@@ -248,10 +249,25 @@ def test_a_generation_config_value_of_the_wrong_type_is_refused_naming_the_field
         VaswaniForConditionalGeneration.from_pretrained(folder)
 
 
+def test_a_generation_config_without_a_start_token_is_refused_naming_the_file(saved):
+    """Neither decoder_start_token_id nor bos_token_id: transformers' generate() would fail on its first step; one of
+    them is enough."""
+    _, folder = saved
+    file = folder / "generation_config.json"
+    settings = json.loads(file.read_text())
+    for name in ("decoder_start_token_id", "bos_token_id"):
+        settings.pop(name, None)
+    file.write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(file))}: no decoder_start_token_id \(nor bos_token_id\)"):
+        VaswaniForConditionalGeneration.from_pretrained(folder)
+    file.write_text(json.dumps({**settings, "bos_token_id": 1}))
+    assert VaswaniForConditionalGeneration.from_pretrained(folder).generation_config.bos_token_id == 1
+
+
 def test_generate_refuses_settings_of_the_wrong_type_naming_them():
     model = tiny_model()
     for field, value in (("length_penalty", "x"), ("max_new_tokens", "3"), ("temperature", float("nan")),
-                         ("top_k", 2.0), ("num_beams", "4")):
+                         ("top_k", 2.0), ("num_beams", "4"), ("length_penalty", 512.0)):
         with pytest.raises(ValueError, match=rf"generate\(\): {field} must be"):
             _generate(model, **{field: value})
     model.generation_config.length_penalty = "0.6"  # set on the model's config

@@ -216,6 +216,9 @@ _FLAGS = ("do_sample", "use_cache", "output_scores", "output_logits", "output_at
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id",
               "forced_eos_token_id")
 GENERATION_FIELDS = _INTEGERS + _NUMBERS + _FLAGS + _TOKEN_IDS + ("early_stopping",)
+# The largest |length_penalty|: transformers computes |Y| ** alpha as a Python float, which overflows (OverflowError)
+# for alpha above ~128 at 256 tokens; 20 keeps it finite for any length (the searched alphas lie in 0-2.5).
+MAX_LENGTH_PENALTY = 20
 
 
 def _is_integer(value) -> bool:
@@ -225,7 +228,8 @@ def _is_integer(value) -> bool:
 def check_generation_values(values: Mapping, where: str) -> None:
     """Refuse generation settings (`GenerationConfig` fields or `generate()` keywords) of the wrong type, which
     transformers would report as a `TypeError` deep in its decoding loop (`length_penalty="x"`) or not at all
-    (`max_length=3.5`). Names not in `GENERATION_FIELDS` and `None` values are not checked.
+    (`max_length=3.5`), or a `length_penalty` beyond +-`MAX_LENGTH_PENALTY`, whose |Y|**alpha overflows in
+    transformers' beam search. Names not in `GENERATION_FIELDS` and `None` values are not checked.
 
     Args:
         values: field name -> value.
@@ -243,6 +247,8 @@ def check_generation_values(values: Mapping, where: str) -> None:
         elif name in _NUMBERS:
             good = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
             expected = "a finite number"
+            if good and name == "length_penalty" and abs(value) > MAX_LENGTH_PENALTY:
+                good, expected = False, f"a number from -{MAX_LENGTH_PENALTY} to {MAX_LENGTH_PENALTY}"
         elif name in _FLAGS:
             good, expected = isinstance(value, bool), "true or false"
         elif name == "early_stopping":
@@ -305,7 +311,8 @@ def check_generation_file(values: Mapping, where: str, config: Mapping | None = 
     settings of the wrong type (`check_generation_values`: num_beams a positive integer, ...), a
     `length_penalty_style` other than "hf" or "gnmt" ("gnmt" with beams needs `early_stopping: true`), and, given the
     folder's `config` (config.json's fields), special token ids outside the model's target vocabulary or other than
-    the config's (the output would stop or start on another token).
+    the config's (the output would stop or start on another token), and a file with neither `decoder_start_token_id`
+    nor `bos_token_id` (transformers' generate() has no start token then).
 
     Raises:
         ValueError: naming `where`, the field and what it must be.
@@ -316,6 +323,10 @@ def check_generation_file(values: Mapping, where: str, config: Mapping | None = 
                                    values.get("early_stopping"), where)
     if config is None:
         return
+    if values.get("decoder_start_token_id") is None and values.get("bos_token_id") is None:
+        raise ValueError(f"{where}: no decoder_start_token_id (nor bos_token_id): generate() would not know the token "
+                         f"decoding starts with (config.json says {config.get('decoder_start_token_id')!r}). Write "
+                         f"the generation config anew from the model: model.generation_config.save_pretrained(folder).")
     vocabulary = config.get("target_vocab_size") or config.get("vocab_size")
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         value, ours = values.get(name), config.get(name)
