@@ -53,6 +53,25 @@ def _schedule():
     return paper_optimizer_and_schedule([p], d_model=256, warmup_steps=40, factor=0.5)[1]
 
 
+def _train(clock, planner, seconds_of_step):
+    """Drive `planner` as the Trainer would, step k taking `seconds_of_step(k, planner)` on the clock, until it stops
+    training; return the last step, the schedule and the plan after each step (None before the first)."""
+    sched = _schedule()
+    args = SimpleNamespace(eval_steps=None, eval_strategy="no")
+    state, control = TrainerState(), TrainerControl()
+    step, ends = 0, []
+    while not control.should_training_stop:
+        step += 1
+        clock.now += seconds_of_step(step, planner)
+        sched.optimizer.step()
+        sched.step()
+        state.global_step = step
+        planner.on_step_end(args, state, control, lr_scheduler=sched)
+        ends.append(planner.planned_steps)
+    assert control.should_save
+    return step, sched, ends
+
+
 @pytest.mark.parametrize("seconds_per_step", [0.5, 1.0, 2.0])
 def test_slower_machines_plan_fewer_steps_and_finish_inside_the_budget(clock, seconds_per_step, capsys):
     sched = _schedule()
@@ -113,39 +132,24 @@ def test_one_slow_validation_run_does_not_move_the_estimate_after_training(clock
 
 
 def test_a_machine_that_slows_down_is_stopped_by_the_budget(clock):
-    sched = _schedule()
     planner = BudgetPlanner(5, 10_000, cooldown_fraction=0.5, start=clock.now, replan_every=10_000)
-    args = SimpleNamespace(eval_steps=None, eval_strategy="no")
-    state, control = TrainerState(), TrainerControl()
-    step = 0
-    while not control.should_training_stop:
-        step += 1
-        clock.now += 0.5 if step <= 100 else 5.0  # 10x slower after the plan was made
-        state.global_step = step
-        planner.on_step_end(args, state, control, lr_scheduler=sched)
-    assert step < planner.planned_steps and control.should_save
+    step, _, _ = _train(clock, planner, lambda step, _: 0.5 if step <= 100 else 5.0)  # 10x slower after the plan
+    assert step < planner.planned_steps
     assert clock.now - 1000 + planner.final_seconds() <= 300 + 5.0
 
 
 def test_a_run_that_falls_behind_in_the_cooldown_ends_sooner_with_lr_0(clock):
     """Steps slow down by half once the cooldown has begun: re-plans move the end sooner (never later), training
     stops at the plan rather than at the safety stop, the schedule reaches 0 there, and the budget holds."""
-    sched = _schedule()
     planner = BudgetPlanner(10, 10_000, cooldown_fraction=0.2, start=clock.now, replan_every=10)
-    args = SimpleNamespace(eval_steps=None, eval_strategy="no")
-    state, control = TrainerState(), TrainerControl()
-    step, first_plan, ends = 0, None, []
-    while not control.should_training_stop:
-        step += 1
-        slow = first_plan is not None and step > first_plan - planner.cooldown_steps // 2
-        clock.now += 0.75 if slow else 0.5
-        sched.optimizer.step()
-        sched.step()
-        state.global_step = step
-        planner.on_step_end(args, state, control, lr_scheduler=sched)
-        if planner.planned_steps is not None:
-            first_plan = first_plan or planner.planned_steps
-            ends.append(planner.planned_steps)
+    first_plan = None
+
+    def seconds(step, planner):
+        nonlocal first_plan
+        first_plan = first_plan or planner.planned_steps
+        return 0.75 if first_plan is not None and step > first_plan - planner.cooldown_steps // 2 else 0.5
+
+    step, sched, ends = _train(clock, planner, seconds)
     assert step == planner.planned_steps < first_plan  # stopped by the plan, which moved sooner
     cooldown_ends = ends[ends.index(first_plan):]
     assert all(later <= earlier for earlier, later in zip(cooldown_ends, cooldown_ends[1:], strict=False))
@@ -155,19 +159,10 @@ def test_a_run_that_falls_behind_in_the_cooldown_ends_sooner_with_lr_0(clock):
 
 
 def _run_with_slow_steps(clock, slow_steps: dict[int, float]) -> int:
-    """Drive a 10-minute planner at 0.5 s a step, step k taking `slow_steps[k]` instead; return the last step."""
-    sched = _schedule()
+    """A 10-minute run at 0.5 s a step, step k taking `slow_steps[k]` instead: its last step, which the plan set and
+    which ends inside the budget."""
     planner = BudgetPlanner(10, 10_000, cooldown_fraction=0.2, start=clock.now, replan_every=10)
-    args = SimpleNamespace(eval_steps=None, eval_strategy="no")
-    state, control = TrainerState(), TrainerControl()
-    step = 0
-    while not control.should_training_stop:
-        step += 1
-        clock.now += slow_steps.get(step, 0.5)
-        sched.optimizer.step()
-        sched.step()
-        state.global_step = step
-        planner.on_step_end(args, state, control, lr_scheduler=sched)
+    step, _, _ = _train(clock, planner, lambda step, _: slow_steps.get(step, 0.5))
     assert step == planner.planned_steps and clock.now - 1000 + planner.final_seconds() <= 600
     return step
 
