@@ -505,8 +505,10 @@ def test_a_training_step_in_onednn_equals_the_blas_step(monkeypatch):
         loss.backward()
         results[library] = (loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         monkeypatch.undo()
-        # 3 products per linear (forward, input and weight gradients): encoder 2 x 6, decoder 2 x 10, lm_head
-        assert len(calls) == (0 if library == "blas" else 3 * (2 * 6 + 2 * 10 + 1))
+        # 3 products per product of the step (forward, input and weight gradients): per encoder layer W^Q, W^K, W^V
+        # stacked, W^O, fc1, fc2 (2 x 4); per decoder layer the self-attention's stack, its W^O, the cross-attention's
+        # W^Q, its W^K and W^V stacked, its W^O, fc1, fc2 (2 x 7); lm_head
+        assert len(calls) == (0 if library == "blas" else 3 * (2 * 4 + 2 * 7 + 1))
     torch.testing.assert_close(results["onednn"][0], results["blas"][0], rtol=1e-5, atol=1e-6)
     assert results["onednn"][1].keys() == results["blas"][1].keys() and len(results["blas"][1]) > 40
     for name, grad in results["blas"][1].items():
@@ -585,11 +587,61 @@ def test_projected_cross_entropy_equals_cross_entropy_of_the_projection(library,
 def test_projected_cross_entropy_declines_where_it_does_not_apply():
     hidden, weight, labels = torch.randn(5, 4), torch.randn(7, 4), torch.tensor([0, 1, 2, 3, 6])
     project = kernels_vaswani.cpu_projected_cross_entropy
-    assert project(hidden.bfloat16(), weight.bfloat16(), labels) is None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    assert project(hidden.bfloat16(), weight.bfloat16(), labels) is None  # bf16 weights: not autocast's step
+    with torch.autocast("cpu", dtype=torch.float16):
         assert project(hidden, weight, labels) is None
     assert project(hidden[None], weight, labels) is None
     assert project(hidden, weight, labels) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert project(hidden, weight, labels) is not None
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_projected_cross_entropy_under_bf16_autocast_equals_autocasts_projection_and_loss(label_smoothing):
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(61, 32, generator=generator).requires_grad_()
+    weight = torch.randn(300, 32, generator=generator).mul(0.3).requires_grad_()
+    labels = torch.randint(0, 300, (61,), generator=generator)
+    divisor = torch.tensor(70)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = cross_entropy_loss(F.linear(hidden, weight), labels, divisor, label_smoothing)
+        loss = kernels_vaswani.cpu_projected_cross_entropy(hidden, weight, labels, label_smoothing, divisor)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    grads = torch.autograd.grad(loss * 2, (hidden, weight))
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)  # the same bf16 logits, the same fp32 loss
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert got.dtype == torch.float32 and _relative_error(got, want * 2) < 1e-2  # bf16 products: 2^-8 each
+    # control: the other label smoothing moves the gradients by 10 % and more, ten times the tolerance
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        other = kernels_vaswani.cpu_projected_cross_entropy(hidden, weight, labels, 0.5 - label_smoothing, divisor)
+    assert _relative_error(torch.autograd.grad(other * 2, hidden)[0], expected_grads[0] * 2) > 0.1
+
+
+def test_the_fast_training_step_in_bf16_is_as_close_to_fp32_as_the_plain_autocast_step():
+    # bf16's gradients of a tiny untrained model are 2^-8 products summed: the plain autocast step itself is 15 % off
+    # the fp32 step in some tensors here, so the fast bf16 step (fused loss, stacked projections, unpadded tokens) is
+    # held against the fp32 step, and must be no further from it than autocast's own step.
+    model = tiny_model(dropout=0.0)
+    ids, mask, labels = batch()
+    exact_loss, exact = step(model, ids, mask, labels, fast=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast_loss, fast_grads = step(model, ids, mask, labels)
+        plain_loss, plain_grads = step(model, ids, mask, labels, fast=False)
+        other_loss, other_grads = step(model, ids, mask, labels, label_smoothing=0.4)  # control
+    torch.testing.assert_close(fast_loss, exact_loss, rtol=1e-2, atol=1e-2)
+    assert fast_grads.keys() == exact.keys() and len(exact) > 20
+    names = [name for name in exact if not name.endswith("k_proj.bias")]  # exactly 0: softmax ignores q . b_K
+
+    def error(grads):
+        return max(_relative_error(grads[name], exact[name]) for name in names)
+
+    assert error(fast_grads) < 0.1 and error(fast_grads) <= error(plain_grads) + 1e-2
+    assert abs(float(other_loss - exact_loss)) > 0.05 and error(other_grads) > 0.3
 
 
 def test_a_training_step_with_a_label_outside_the_vocabulary_is_refused_before_the_fused_loss():

@@ -361,6 +361,13 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def _eager_bf16_autocast_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """fp32 (or bf16) activations and an fp32 weight under CPU bf16 autocast, in eager mode."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == torch.float32
+            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+
+
 def _eager_fp32_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
@@ -380,13 +387,18 @@ class OneDNNLinear(nn.Linear):
       than torch's BLAS call. With `stacked` (a packed weight stacking this layer's and the next layers', their bias,
       those layers) one product computes all of them for the same input, as attention's W^Q, W^K and W^V (or W^K and
       W^V) read one input: the others' outputs wait for their own calls on that input;
-    - in an fp32 training-mode forward with autograd, where `cpu_training_matmul()` chose oneDNN.
+    - in an fp32 training-mode forward with autograd, where `cpu_training_matmul()` chose oneDNN;
+    - in a training-mode forward with autograd on a CPU in eager mode (fp32 or bf16 autocast), with `training_stack`
+      (this layer and the layers that read the same input, set by `fast_paths_vaswani.training_fast_paths`): their
+      weights and biases concatenated into one product, whose backward pass splits the gradients back to each layer's
+      own parameters; the others' outputs wait for their own calls on that input, as with `stacked`.
 
-    Anything else (GPUs, bf16 or autocast, compiled or traced graphs) runs `nn.Linear`'s forward.
+    Anything else (GPUs, compiled or traced graphs) runs `nn.Linear`'s forward.
     """
 
     packed_weight: torch.Tensor | None = None
     stacked: tuple | None = None
+    training_stack: tuple | None = None
 
     def uses_packed(self, x: torch.Tensor) -> bool:
         return ((self.packed_weight is not None or self.stacked is not None) and not torch.is_grad_enabled()
@@ -395,6 +407,11 @@ class OneDNNLinear(nn.Linear):
     def trains_with_onednn(self, x: torch.Tensor) -> bool:
         return (self.training and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
                 and _eager_fp32_cpu(x, self.weight) and cpu_training_matmul() == "onednn")
+
+    def trains_stacked(self, x: torch.Tensor) -> bool:
+        return (self.training_stack is not None and self.training and torch.is_grad_enabled()
+                and x.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+                and all(layer.training for layer in self.training_stack))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ahead = getattr(_AHEAD, "outputs", None)
@@ -405,27 +422,44 @@ class OneDNNLinear(nn.Linear):
             if self.stacked is None:
                 return _onednn_linear(x, self.packed_weight, self.bias)
             weight, bias, following = self.stacked
-            outputs = _onednn_linear(x, weight, bias).split(self.out_features, dim=-1)
-            if not hasattr(_AHEAD, "outputs"):
-                _AHEAD.outputs = {}
-            _AHEAD.outputs.update({layer: (x, output) for layer, output in zip(following, outputs[1:], strict=True)})
-            return outputs[0]
+            return _ahead(x, _onednn_linear(x, weight, bias), self.out_features, following)
+        if self.trains_stacked(x):
+            layers = self.training_stack
+            weight = torch.cat([layer.weight for layer in layers])
+            bias = torch.cat([layer.bias for layer in layers]) if self.bias is not None else None
+            if self.trains_with_onednn(x):
+                return _ahead(x, _OneDNNLinearFunction.apply(x, weight, bias), self.out_features, layers[1:])
+            return _ahead(x, F.linear(x, weight, bias), self.out_features, layers[1:])
         if self.trains_with_onednn(x):
             return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def _ahead(x: torch.Tensor, stacked: torch.Tensor, features: int, following) -> torch.Tensor:
+    """The first layer's part of a stacked product of `x`; the others' parts wait for their calls on `x`."""
+    outputs = stacked.split(features, dim=-1)
+    if not hasattr(_AHEAD, "outputs"):
+        _AHEAD.outputs = {}
+    _AHEAD.outputs.update({layer: (x, output) for layer, output in zip(following, outputs[1:], strict=True)})
+    return outputs[0]
 
 
 # The output projection and the loss of a CPU training step ------------------------------------------------------------
 
 
 class _ProjectedCrossEntropy(torch.autograd.Function):
-    """`cpu_projected_cross_entropy`'s forward and backward; fp32, CPU, not differentiable twice."""
+    """`cpu_projected_cross_entropy`'s forward and backward; fp32 or bf16 autocast, CPU, not differentiable twice."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
-                divisor) -> torch.Tensor:
-        onednn = cpu_training_matmul() == "onednn"
-        log_probs = _onednn_linear(hidden, weight) if onednn else torch.mm(hidden, weight.t())  # (N, V) logits
+                divisor, bf16: bool) -> torch.Tensor:
+        onednn = not bf16 and cpu_training_matmul() == "onednn"
+        if bf16:  # autocast's products: bf16 operands and logits, the softmax and the loss in fp32
+            with torch.autocast("cpu", enabled=False):
+                hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+                log_probs = torch.mm(hidden, weight.t()).float()  # (N, V) logits
+        else:
+            log_probs = _onednn_linear(hidden, weight) if onednn else torch.mm(hidden, weight.t())  # (N, V) logits
         # Rows are read whole before they are written: log-softmax in place, so the logits never take a second buffer.
         torch._log_softmax(log_probs, 1, False, out=log_probs)
         total = log_probs.gather(1, labels[:, None]).sum() * -(1.0 - label_smoothing)
@@ -433,6 +467,7 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
             total = total - log_probs.sum() * (label_smoothing / log_probs.shape[1])
         ctx.save_for_backward(hidden, weight, labels, log_probs)
         ctx.label_smoothing, ctx.divisor, ctx.onednn, ctx.consumed = label_smoothing, divisor, onednn, False
+        ctx.bf16 = bf16
         return total / divisor
 
     @staticmethod
@@ -450,20 +485,22 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
         scale = grad / ctx.divisor
         ctx.consumed = True
         probs = log_probs.exp_()  # in place: a new (N, V) buffer costs more than the exponentials themselves
+        if ctx.bf16:  # the products in bf16 as autocast's backward takes them; the small corrections in fp32
+            probs = probs.to(torch.bfloat16)
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = _onednn_linear(probs, weight.t()) if ctx.onednn else torch.mm(probs, weight)
-            grad_hidden.sub_(weight.index_select(0, labels), alpha=1.0 - epsilon)
+            grad_hidden = _onednn_linear(probs, weight.t()) if ctx.onednn else torch.mm(probs, weight).float()
+            grad_hidden.sub_(weight.index_select(0, labels).float(), alpha=1.0 - epsilon)
             if epsilon:
-                grad_hidden.sub_(weight.sum(0), alpha=epsilon / vocab)
+                grad_hidden.sub_(weight.sum(0, dtype=torch.float32), alpha=epsilon / vocab)
             grad_hidden.mul_(scale)
         if ctx.needs_input_grad[1]:
-            grad_weight = _onednn_grad_weight(hidden, probs) if ctx.onednn else torch.mm(probs.t(), hidden)
-            grad_weight.index_add_(0, labels, hidden, alpha=-(1.0 - epsilon))
+            grad_weight = _onednn_grad_weight(hidden, probs) if ctx.onednn else torch.mm(probs.t(), hidden).float()
+            grad_weight.index_add_(0, labels, hidden.float(), alpha=-(1.0 - epsilon))
             if epsilon:
-                grad_weight.sub_(hidden.sum(0), alpha=epsilon / vocab)
+                grad_weight.sub_(hidden.sum(0, dtype=torch.float32), alpha=epsilon / vocab)
             grad_weight.mul_(scale)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def cpu_projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -477,17 +514,23 @@ def cpu_projected_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labe
     Here the logits' own buffer is the only one: turned into log-probabilities in place, and in the backward pass into
     the softmax in place (label smoothing's uniform term and the one-hot term are applied to the products' small
     `(N, D)` and `(V, D)` results instead). So its backward runs once: a second one (retain_graph=True) raises
-    RuntimeError. The products run in `cpu_training_matmul()`'s library.
+    RuntimeError. In fp32 the products run in `cpu_training_matmul()`'s library; under CPU bf16 autocast they take
+    bf16 operands as autocast's `lm_head` and its backward would (the logits rounded to bf16, then the softmax and
+    the loss in fp32 as `cross_entropy_loss` computes them, the softmax rounded to bf16 for the two backward products).
 
     Args:
-        hidden: `(N, D)` fp32 decoder states of the labelled positions only.
+        hidden: `(N, D)` fp32 (bf16 under autocast too) decoder states of the labelled positions only.
         weight: `(V, D)` fp32 projection (the shared embedding matrix).
         labels: `(N,)` int64 target ids in [0, V) (no -100: pass the labelled positions only).
         label_smoothing: epsilon in [0, 1); divisor: what the summed loss is divided by (a number or a 0-dim tensor).
     Returns:
-        the scalar loss, or `None` where the fused path does not apply (not a CPU, not fp32, autocast on, compiling or
-        tracing): compute the loss from the logits then.
+        the scalar loss, or `None` where the fused path does not apply (not a CPU, autocast other than bf16 on the
+        CPU, compiling or tracing): compute the loss from the logits then.
     """
-    if hidden.dim() != 2 or not _eager_fp32_cpu(hidden, weight):
+    if hidden.dim() != 2:
         return None
-    return _ProjectedCrossEntropy.apply(hidden, weight, labels, float(label_smoothing), divisor)
+    if _eager_fp32_cpu(hidden, weight):
+        return _ProjectedCrossEntropy.apply(hidden, weight, labels, float(label_smoothing), divisor, False)
+    if _eager_bf16_autocast_cpu(hidden, weight):
+        return _ProjectedCrossEntropy.apply(hidden, weight, labels, float(label_smoothing), divisor, True)
+    return None
