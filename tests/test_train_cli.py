@@ -240,6 +240,39 @@ def test_training_smooths_labels_and_evaluation_does_not(tmp_path):
     assert abs(smoothed - plain_before) > 1e-3 and abs(plain_after - plain_before) > 1e-4  # the step changed it
 
 
+def test_paper_trainer_takes_the_gradient_norm_at_the_steps_that_log_it(tmp_path, monkeypatch):
+    """Trainer computes the gradient norm at every step only to log it; PaperTrainer computes it at the logging steps
+    (every 3rd), and the logged value is the norm of that step's gradients (no clipping, as the recipe trains)."""
+    from datasets import Dataset
+    from transformers import Seq2SeqTrainingArguments
+
+    from vaswani_training.train import PaperTrainer
+
+    model = tiny_model(dropout=0.0)
+    generator = torch.Generator().manual_seed(4)
+    ids, labels = torch.randint(4, 99, (3, 9), generator=generator), torch.randint(4, 99, (3, 7), generator=generator)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * 9] * 3, "labels": labels.tolist()})
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=7, logging_steps=3,
+                                    save_strategy="no", eval_strategy="no", max_grad_norm=0.0)
+    stack = lambda rows: {key: torch.tensor([row[key] for row in rows]) for key in rows[0]}  # noqa: E731
+    trainer = PaperTrainer(model=model, args=args, train_dataset=data, max_tokens=64, d_model=32, warmup=10,
+                           lr_factor=1.0, data_collator=stack)
+    norms, real = {}, trainer.accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm):
+        parameters = list(parameters)
+        norms[trainer.state.global_step + 1] = float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad) for p in parameters if p.grad is not None])))
+        return real(parameters, max_norm)
+
+    monkeypatch.setattr(trainer.accelerator, "clip_grad_norm_", clip_grad_norm_)
+    trainer.train()
+    logged = {entry["step"]: entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry}
+    assert sorted(norms) == sorted(logged) == [3, 6]
+    for step, norm in logged.items():
+        assert norm == pytest.approx(norms[step], rel=1e-5) and norm > 0
+
+
 def test_paper_trainer_uses_the_papers_adam_fused_on_the_cpu(tmp_path):
     """§5.3's Adam(0.9, 0.98, 1e-9), as one fused kernel on the CPU; its updates equal the foreach Adam's."""
     from transformers import Seq2SeqTrainingArguments
