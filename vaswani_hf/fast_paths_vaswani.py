@@ -117,15 +117,6 @@ def _packed(module: nn.Linear, layers: list[nn.Linear], keep: bool) -> tuple[tor
     return kept[1]
 
 
-def _same_kind(first: nn.Linear, layer: nn.Linear) -> bool:
-    """Two linears whose parameters one concatenated product can take: both with or both without bias, the same
-    input width, device, dtype and trainability."""
-    return ((first.bias is None) == (layer.bias is None) and first.in_features == layer.in_features
-            and layer.weight.device == first.weight.device and layer.weight.dtype == first.weight.dtype
-            and layer.weight.requires_grad == first.weight.requires_grad
-            and (layer.bias is None or layer.bias.requires_grad == first.bias.requires_grad))
-
-
 def _stacks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, list[nn.Linear]]:
     """The input projections one product can compute together: W^Q, W^K, W^V of each self-attention, W^K and W^V of
     each encoder-decoder attention (§3.2.2), keyed by the first, where all are among `linears`."""
@@ -247,22 +238,15 @@ def training_fast_paths(model: nn.Module, label_smoothing: float = 0.1):
 
     def install():
         base.forward = training_forward(base, label_smoothing)
-        swapped, undo_attention, stacks = [], lambda: None, {}
+        swapped, undo_attention = [], lambda: None
         if next(base.parameters()).device.type == "cpu":
             undo_attention = _attention(base)
-            linears = own_modules(base, nn.Linear)
-            stacks = _stacks(base, linears)
             swapped = [(_swap(own_modules(base, nn.Dropout), CPUDropout), nn.Dropout),
-                       (_swap(linears, OneDNNLinear), nn.Linear)]
-            for first, group in stacks.items():
-                if all(_same_kind(first, layer) for layer in group):
-                    first.training_stack = tuple(group)
+                       (_swap(own_modules(base, nn.Linear), OneDNNLinear), nn.Linear)]
 
         def undo():
             del base.forward
             undo_attention()
-            for first in stacks:
-                first.__dict__.pop("training_stack", None)
             for modules, cls in swapped:
                 _swap(modules, cls)
         return undo

@@ -387,18 +387,13 @@ class OneDNNLinear(nn.Linear):
       than torch's BLAS call. With `stacked` (a packed weight stacking this layer's and the next layers', their bias,
       those layers) one product computes all of them for the same input, as attention's W^Q, W^K and W^V (or W^K and
       W^V) read one input: the others' outputs wait for their own calls on that input;
-    - in an fp32 training-mode forward with autograd, where `cpu_training_matmul()` chose oneDNN;
-    - in a training-mode forward with autograd on a CPU in eager mode (fp32 or bf16 autocast), with `training_stack`
-      (this layer and the layers that read the same input, set by `fast_paths_vaswani.training_fast_paths`): their
-      weights and biases concatenated into one product, whose backward pass splits the gradients back to each layer's
-      own parameters; the others' outputs wait for their own calls on that input, as with `stacked`.
+    - in an fp32 training-mode forward with autograd, where `cpu_training_matmul()` chose oneDNN.
 
-    Anything else (GPUs, compiled or traced graphs) runs `nn.Linear`'s forward.
+    Anything else (GPUs, bf16 or autocast, compiled or traced graphs) runs `nn.Linear`'s forward.
     """
 
     packed_weight: torch.Tensor | None = None
     stacked: tuple | None = None
-    training_stack: tuple | None = None
 
     def uses_packed(self, x: torch.Tensor) -> bool:
         return ((self.packed_weight is not None or self.stacked is not None) and not torch.is_grad_enabled()
@@ -407,11 +402,6 @@ class OneDNNLinear(nn.Linear):
     def trains_with_onednn(self, x: torch.Tensor) -> bool:
         return (self.training and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
                 and _eager_fp32_cpu(x, self.weight) and cpu_training_matmul() == "onednn")
-
-    def trains_stacked(self, x: torch.Tensor) -> bool:
-        return (self.training_stack is not None and self.training and torch.is_grad_enabled()
-                and x.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-                and all(layer.training for layer in self.training_stack))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ahead = getattr(_AHEAD, "outputs", None)
@@ -422,26 +412,15 @@ class OneDNNLinear(nn.Linear):
             if self.stacked is None:
                 return _onednn_linear(x, self.packed_weight, self.bias)
             weight, bias, following = self.stacked
-            return _ahead(x, _onednn_linear(x, weight, bias), self.out_features, following)
-        if self.trains_stacked(x):
-            layers = self.training_stack
-            weight = torch.cat([layer.weight for layer in layers])
-            bias = torch.cat([layer.bias for layer in layers]) if self.bias is not None else None
-            if self.trains_with_onednn(x):
-                return _ahead(x, _OneDNNLinearFunction.apply(x, weight, bias), self.out_features, layers[1:])
-            return _ahead(x, F.linear(x, weight, bias), self.out_features, layers[1:])
+            outputs = _onednn_linear(x, weight, bias).split(self.out_features, dim=-1)
+            if not hasattr(_AHEAD, "outputs"):
+                _AHEAD.outputs = {}
+            _AHEAD.outputs.update({layer: (x, output) for layer, output in zip(following, outputs[1:], strict=True)})
+            return outputs[0]
         if self.trains_with_onednn(x):
             return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-
-def _ahead(x: torch.Tensor, stacked: torch.Tensor, features: int, following) -> torch.Tensor:
-    """The first layer's part of a stacked product of `x`; the others' parts wait for their calls on `x`."""
-    outputs = stacked.split(features, dim=-1)
-    if not hasattr(_AHEAD, "outputs"):
-        _AHEAD.outputs = {}
-    _AHEAD.outputs.update({layer: (x, output) for layer, output in zip(following, outputs[1:], strict=True)})
-    return outputs[0]
 
 
 # The output projection and the loss of a CPU training step ------------------------------------------------------------
