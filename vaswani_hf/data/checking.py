@@ -12,12 +12,20 @@ and row, what is wrong and what to do.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..checks import CheckError
+from .reading import (
+    check_empty_lines_policy,
+    empty_policy,
+    is_jsonl,
+    iter_parallel_jsonl,
+    iter_parallel_text,
+    new_counts,
+)
+from .records import translation_pair
 
 __all__ = ["check_parallel_data", "check_splits", "first_pair", "translation_pair"]
 
@@ -25,49 +33,6 @@ __all__ = ["check_parallel_data", "check_splits", "first_pair", "translation_pai
 SPLITS = ("train", "validation", "test")
 _LAYOUT = ("a folder in the Hub's layout holds train.jsonl (and validation.jsonl, test.jsonl), one "
            '{"translation": {...}} object a line')
-
-
-def _example(source_lang: str, target_lang: str) -> str:
-    return f'{{"translation": {{"{source_lang}": "...", "{target_lang}": "..."}}}}'
-
-
-def _shown(record: Any) -> str:
-    try:
-        text = json.dumps(record, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        text = repr(record)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def translation_pair(record: Any, source_lang: str, target_lang: str, where: str) -> tuple[str, str]:
-    """The `(source, target)` sentences of one record, stripped: the one check of a record, for every reader.
-
-    `where` names the record in messages ("FILE:LINE", "Hub dataset 'x' split 'train' row 3").
-
-    Raises:
-        CheckError: the record is not an object with a 'translation' object (e.g. `{"de": ..., "en": ...}` or
-            `{"text": ...}`); a language is missing from it (lists the codes present) or null; a sentence is not a
-            string.
-    """
-    translation = record.get("translation") if isinstance(record, Mapping) else None
-    if not isinstance(translation, Mapping):
-        # a dataset's rows hold every column of the split, null where a record has no such key
-        keys = ""
-        if isinstance(record, Mapping):
-            keys = f" (keys: {', '.join(str(k) for k, v in record.items() if v is not None) or 'none'})"
-        raise CheckError(f"{where}: expected an object with a 'translation' object, e.g. "
-                         f"{_example(source_lang, target_lang)}; got {_shown(record)}{keys}. Convert the data to such "
-                         f"records (JSON lines).")
-    for lang in (source_lang, target_lang):
-        if translation.get(lang) is None:
-            present = sorted(str(code) for code, text in translation.items() if text is not None)
-            raise CheckError(f"{where}: language {lang!r} not in this record's 'translation' (missing or null); codes "
-                             f"present: {', '.join(present) or '(none)'}. Pass --source_lang/--target_lang "
-                             f"(source_lang/target_lang) from these, or fix the record.")
-        if not isinstance(translation[lang], str):
-            raise CheckError(f"{where}: translation[{lang!r}] must be a string, got "
-                             f"{type(translation[lang]).__name__} ({_shown(translation[lang])}).")
-    return translation[source_lang].strip(), translation[target_lang].strip()
 
 
 def check_splits(present: Iterable[str], required: Sequence[str], where: str, *, hint: str = _LAYOUT) -> None:
@@ -180,9 +145,7 @@ def check_parallel_data(sources: Mapping[str, Any] | None = None, source_lang: s
             empty file or split; a record of another layout, with a missing language or a non-string sentence (file
             and line, or dataset, split and row); or what the readers raise for the first records.
     """
-    from .reading import _check_empty_lines_policy
-
-    _check_empty_lines_policy(empty_lines)
+    check_empty_lines_policy(empty_lines)
     if (sources is None) == (hub_dataset is None):
         raise CheckError("pass exactly one of `sources` (local files) or `hub_dataset` (a dataset name or folder).")
     if source_lang == target_lang:
@@ -205,9 +168,7 @@ def check_parallel_data(sources: Mapping[str, Any] | None = None, source_lang: s
 
 def source_pairs(source, source_lang: str, target_lang: str, empty_lines: str):
     """The pairs of one local source as read (`iter_parallel_jsonl` or `iter_parallel_text`)."""
-    from .reading import _is_jsonl, iter_parallel_jsonl, iter_parallel_text
-
-    read = iter_parallel_jsonl if _is_jsonl(Path(source)) else iter_parallel_text
+    read = iter_parallel_jsonl if is_jsonl(Path(source)) else iter_parallel_text
     return read(Path(source), source_lang, target_lang, empty_lines=empty_lines)
 
 
@@ -215,11 +176,9 @@ def hub_pairs(rows: Iterable[Any], source_lang: str, target_lang: str, empty_lin
               counts: dict[str, int] | None = None) -> Iterator[tuple[str, str]]:
     """The pairs of a dataset split's records as read, each record checked (`translation_pair`) and the empty-line
     policy applied; `where` names the split ("Hub dataset 'x' split 'train'")."""
-    from .reading import _empty_policy, _new_counts
-
     def indexed():
         for i, record in dataset_rows(rows, f"{where} row"):
             yield (i, *translation_pair(record, source_lang, target_lang, f"{where} row {i}"))
 
-    yield from _empty_policy(indexed(), empty_lines, lambda i: f"{where} row {i} ({source_lang})",
-                             lambda i: f"{where} row {i} ({target_lang})", _new_counts() if counts is None else counts)
+    yield from empty_policy(indexed(), empty_lines, lambda i: f"{where} row {i} ({source_lang})",
+                             lambda i: f"{where} row {i} ({target_lang})", new_counts() if counts is None else counts)

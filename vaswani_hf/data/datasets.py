@@ -22,17 +22,18 @@ from typing import Any
 
 from ..checks import CheckError
 from .caches import load_with_healing, map_with_healing
-from .checking import first_pair, hub_pairs, open_dataset, source_pairs, translation_pair
+from .checking import first_pair, hub_pairs, open_dataset, source_pairs
 from .reading import (
     PathLike,
-    _check_empty_lines_policy,
-    _empty_policy,
-    _is_jsonl,
-    _lang_file,
-    _new_counts,
+    check_empty_lines_policy,
+    empty_policy,
+    is_jsonl,
     iter_parallel_jsonl,
     iter_parallel_text,
+    lang_file,
+    new_counts,
 )
+from .records import translation_pair
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ def _generate_records(source: str, source_lang: str, target_lang: str, empty_lin
     """Records of one local source, streamed (the generator `datasets.Dataset.from_generator` writes to Arrow);
     `content` is unused here but keys the cache."""
     path = Path(source)
-    counts = _new_counts()
-    read = iter_parallel_jsonl if _is_jsonl(path) else iter_parallel_text
+    counts = new_counts()
+    read = iter_parallel_jsonl if is_jsonl(path) else iter_parallel_text
     for s, t in read(path, source_lang, target_lang, empty_lines=empty_lines, counts=counts):
         yield {"translation": {source_lang: s, target_lang: t}}
     if counts["skipped"]:
@@ -89,7 +90,7 @@ def _load_split(source: PathLike, source_lang: str, target_lang: str, empty_line
     if source_lang == target_lang:
         raise CheckError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
     path = Path(source)
-    files = [path] if _is_jsonl(path) else [_lang_file(path, source_lang), _lang_file(path, target_lang)]
+    files = [path] if is_jsonl(path) else [lang_file(path, source_lang), lang_file(path, target_lang)]
     for file in files:
         if not file.is_file():
             raise CheckError(f"{file}: file not found (or not a regular file). Check the path/prefix and language "
@@ -164,8 +165,8 @@ def _load_hub(hub_dataset, hub_config, source_lang, target_lang, empty_lines, hu
 def _clean_batch(batch, indices, *, source_lang, target_lang, empty_lines, where):
     rows = ((i, *translation_pair(record, source_lang, target_lang, f"{where} {i}"))
             for i, record in zip(indices, ({"translation": t} for t in batch["translation"])))
-    pairs = _empty_policy(rows, empty_lines, lambda i: f"{where} {i} ({source_lang})",
-                          lambda i: f"{where} {i} ({target_lang})", _new_counts())
+    pairs = empty_policy(rows, empty_lines, lambda i: f"{where} {i} ({source_lang})",
+                          lambda i: f"{where} {i} ({target_lang})", new_counts())
     return {"translation": [{source_lang: s, target_lang: t} for s, t in pairs]}
 
 
@@ -206,7 +207,7 @@ def load_parallel_dataset(
     """
     import datasets
 
-    _check_empty_lines_policy(empty_lines)
+    check_empty_lines_policy(empty_lines)
     if (sources is None) == (hub_dataset is None):
         raise CheckError("pass exactly one of `sources` (local files) or `hub_dataset` (a Hub dataset name).")
     if hub_dataset is not None:
@@ -235,7 +236,7 @@ def stream_parallel_pairs(source: PathLike | None = None, source_lang: str = "de
         raise CheckError("pass exactly one of `source` (local files) or `hub_dataset` (a Hub dataset name or folder).")
     if source is not None:
         path = Path(source)
-        read = iter_parallel_jsonl if _is_jsonl(path) else iter_parallel_text
+        read = iter_parallel_jsonl if is_jsonl(path) else iter_parallel_text
         return lambda: read(path, source_lang, target_lang, empty_lines=empty_lines)
 
     def pairs():

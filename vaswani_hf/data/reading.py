@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Union
 
 from ..checks import CheckError
-from .checking import translation_pair
+from .records import translation_pair
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ __all__ = [
 _EMPTY_LINE_POLICIES = ("skip", "error", "keep")
 
 
-def _check_empty_lines_policy(empty_lines: str) -> None:
+def check_empty_lines_policy(empty_lines: str) -> None:
     if empty_lines not in _EMPTY_LINE_POLICIES:
         raise CheckError(f"empty_lines={empty_lines!r} is not one of {_EMPTY_LINE_POLICIES}.")
 
@@ -154,10 +154,10 @@ class ParallelText:
         return [{"translation": {self.source_lang: s, self.target_lang: t}} for s, t in zip(self.source, self.target)]
 
 
-def _empty_policy(pairs, empty_lines, where_src, where_tgt, counts):
+def empty_policy(pairs, empty_lines, where_src, where_tgt, counts):
     """Stream `(index, src, tgt)` -> `(src, tgt)` under the empty-line policy, counting skipped pairs in
     `counts["skipped"]` and all pairs in `counts["pairs"]`; where_* are callables index -> str naming the location."""
-    _check_empty_lines_policy(empty_lines)
+    check_empty_lines_policy(empty_lines)
     for i, s, t in pairs:
         counts["pairs"] += 1
         if empty_lines == "keep" or (s and t):
@@ -172,7 +172,7 @@ def _empty_policy(pairs, empty_lines, where_src, where_tgt, counts):
         counts["skipped"] += 1
 
 
-def _new_counts() -> dict[str, int]:
+def new_counts() -> dict[str, int]:
     return {"pairs": 0, "skipped": 0}
 
 
@@ -194,7 +194,7 @@ def _find_lang_files(prefix: Path) -> dict[str, Path]:
     return found
 
 
-def _lang_file(prefix: Path, lang: str) -> Path:
+def lang_file(prefix: Path, lang: str) -> Path:
     plain, gz = Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")
     if plain.is_file() and gz.is_file():
         raise CheckError(f"both {plain} and {gz} exist; remove one so it is clear which to read.")
@@ -228,8 +228,8 @@ def iter_parallel_text(
     if source_lang == target_lang:
         raise CheckError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
     prefix = Path(prefix)
-    src_path, tgt_path = _lang_file(prefix, source_lang), _lang_file(prefix, target_lang)
-    counts = _new_counts() if counts is None else counts
+    src_path, tgt_path = lang_file(prefix, source_lang), lang_file(prefix, target_lang)
+    counts = new_counts() if counts is None else counts
 
     def aligned():
         src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
@@ -244,7 +244,7 @@ def iter_parallel_text(
                 )
             yield n, s, t
 
-    yield from _empty_policy(aligned(), empty_lines, lambda n: f"{src_path}:{n}", lambda n: f"{tgt_path}:{n}", counts)
+    yield from empty_policy(aligned(), empty_lines, lambda n: f"{src_path}:{n}", lambda n: f"{tgt_path}:{n}", counts)
 
 
 def read_parallel_text(
@@ -265,7 +265,7 @@ def read_parallel_text(
             (file:line), different line counts (names both files and both counts), empty line with
             `empty_lines="error"`, `source_lang == target_lang`.
     """
-    counts = _new_counts()
+    counts = new_counts()
     pairs = list(iter_parallel_text(prefix, source_lang, target_lang, empty_lines=empty_lines, counts=counts))
     origin = " + ".join(map(str, parallel_files(prefix, source_lang, target_lang)))
     return _collected(pairs, counts, source_lang, target_lang, origin)
@@ -294,7 +294,7 @@ def iter_parallel_jsonl(
     if source_lang == target_lang:
         raise CheckError(f"source_lang and target_lang are both {source_lang!r}; they must differ.")
     path = Path(path)
-    counts = _new_counts() if counts is None else counts
+    counts = new_counts() if counts is None else counts
 
     def records():
         for lineno, line in enumerate(iter_lines(path), start=1):
@@ -306,7 +306,7 @@ def iter_parallel_jsonl(
                 raise CheckError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}).") from None
             yield (lineno, *translation_pair(rec, source_lang, target_lang, f"{path}:{lineno}"))
 
-    yield from _empty_policy(records(), empty_lines, lambda n: f"{path}:{n} (translation[{source_lang!r}])",
+    yield from empty_policy(records(), empty_lines, lambda n: f"{path}:{n} (translation[{source_lang!r}])",
                              lambda n: f"{path}:{n} (translation[{target_lang!r}])", counts)
     if counts["pairs"] == 0:
         raise CheckError(f"{path}: no JSON records (only blank lines).")
@@ -325,12 +325,12 @@ def read_parallel_jsonl(
         CheckError: missing/empty/non-UTF-8 file; invalid JSON, missing `translation` field, missing language
             (lists the codes that record has) or non-string sentence, each with file:line.
     """
-    counts = _new_counts()
+    counts = new_counts()
     pairs = list(iter_parallel_jsonl(path, source_lang, target_lang, empty_lines=empty_lines, counts=counts))
     return _collected(pairs, counts, source_lang, target_lang, str(path))
 
 
-def _is_jsonl(path: Path) -> bool:
+def is_jsonl(path: Path) -> bool:
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
     return name.endswith(".jsonl") or name.endswith(".json")
 
@@ -340,7 +340,7 @@ def parallel_files(source: PathLike, source_lang: str, target_lang: str) -> list
     """The files a source of `load_parallel_dataset` reads: the JSON-lines file, or the two files
     `{prefix}.{lang}[.gz]` of a prefix (as found on disk; `{prefix}.{lang}` where neither exists)."""
     path = Path(source)
-    if _is_jsonl(path):
+    if is_jsonl(path):
         return [path]
     files = []
     for lang in (source_lang, target_lang):
