@@ -176,15 +176,14 @@ def inference_fast_paths(model: nn.Module, packed_linears: bool = True, keep_pac
 
 def training_forward(model: nn.Module, label_smoothing: float):
     """The model's `forward` for a training run: in training mode with `labels`, the loss is the label-smoothed
-    cross-entropy of §5.4 (`label_smoothing`, epsilon_ls; `modeling_vaswani.cross_entropy_loss`), and `logits` are
-    not returned (Trainer reads the loss only). On a CPU in eager mode the step runs on the batch's unpadded tokens
-    (`unpad_batch`, where "vaswani_sdpa" is the attention), and in fp32 the output projection and the loss are fused
-    (`cpu_projected_cross_entropy`) where `lm_head` is a plain `nn.Linear` without bias. Anything else runs the model's
-    own `forward`."""
+    cross-entropy of §5.4 (`label_smoothing`, epsilon_ls; the model's `loss_function`, which is
+    `modeling_vaswani.cross_entropy_loss`), and `logits` are not returned (Trainer reads the loss only). On a CPU in
+    eager mode the step runs on the batch's unpadded tokens (`unpad_batch`, where "vaswani_sdpa" is the attention), and
+    in fp32 or bf16 autocast the output projection and the loss are fused (`cpu_projected_cross_entropy`) where
+    `lm_head` is a plain `nn.Linear` without bias. Anything else runs the model's own `forward`."""
     from .inputs_vaswani import check_labels
-    from .modeling_vaswani import cross_entropy_loss  # imported here: the model file imports this one (generation)
 
-    plain = model.forward
+    plain, cross_entropy_loss = model.forward, model.loss_function  # the model's §5.4 loss (modeling_vaswani.py)
 
     @functools.wraps(plain)
     def forward(*args, labels=None, num_items_in_batch=None, **kwargs):

@@ -48,13 +48,8 @@ from .loading_vaswani import VaswaniLoadingMixin
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
-    """Decoder input for teacher forcing: `labels` shifted one position right, starting with the start token.
-
-    Args:
-        labels: `(B, T)` target ids; `-100` (ignored positions) become `pad_token_id`.
-    Returns:
-        `(B, T)` decoder input ids.
-    """
+    """Decoder input `(B, T)` for teacher forcing: `labels` `(B, T)` shifted one position right after the start
+    token, `-100` (ignored positions) as `pad_token_id`."""
     shifted = labels.new_full(labels.shape, decoder_start_token_id)
     shifted[:, 1:] = labels[:, :-1]
     return shifted.masked_fill(shifted == -100, pad_token_id)
@@ -84,11 +79,9 @@ def sinusoidal_table(num_positions: int, d_model: int, dtype=torch.float32, devi
 class VaswaniSinusoidalPositionalEncoding(nn.Module):
     """The fixed positional encodings of §3.5, precomputed for `max_position_embeddings` positions.
 
-    Not a parameter and not stored in checkpoints (a non-persistent buffer filled in `_init_weights`, so it is
-    right after `from_pretrained`, which builds models on the meta device). `reserve(n)` grows the table to n
-    positions, up to `limit` (`config.max_positions`); the stacks call it before they embed, outside compiled code,
-    so inputs of any length up to it work in eager mode, while a compiled or exported forward only reads the table
-    (its length checked with `torch._check`).
+    A non-persistent buffer, filled in `_init_weights` (`from_pretrained` builds on the meta device). `reserve(n)`
+    grows it to n positions, up to `limit` (`config.max_positions`), before the stacks embed, in eager mode; a compiled
+    or exported forward only reads it (its length checked with `torch._check`).
     """
 
     def __init__(self, num_positions: int, d_model: int, limit: int | None = None):
@@ -162,9 +155,8 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
 
     Args:
         query: `(B, H, Tq, Dh)`; key, value: `(B, H, Tk, Dh)`.
-        attention_mask: additive `(B, 1, Tq, Tk)` mask, 0 where attending and a large negative number elsewhere;
-            `None` for none, where a causal module (`module.is_causal`, the decoder's self-attention) still hides
-            later positions, as `is_causal` does in torch's SDPA.
+        attention_mask: additive `(B, 1, Tq, Tk)` mask (0 attend, a large negative number not); `None`: none, a causal
+            module (`module.is_causal`) still hiding later positions, as `is_causal` does in torch's SDPA.
     Returns:
         output `(B, Tq, H, Dh)` and attention probabilities `(B, H, Tq, Tk)`.
     """
@@ -183,13 +175,11 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
 class VaswaniAttention(nn.Module):
     """Multi-head attention (§3.2.2): MultiHead(Q, K, V) = Concat(head_1..head_h) W^O.
 
-    Queries, keys and values have their own projections `q_proj`, `k_proj`, `v_proj` (D -> D each, the names PEFT
-    and every tutorial use). Encoder-decoder attention (§3.2.3, `is_cross_attention`) projects queries from the
-    decoder and keys and values from the encoder output, computed once per `generate()` call and then read from the
-    cache. The attention itself is the function transformers' attention interface holds for
-    `config._attn_implementation`: "sdpa" (the default, torch's `scaled_dot_product_attention`), "eager"
-    (`eager_attention_forward` above, which also runs whenever `output_attentions=True`), or any function registered
-    with `AttentionInterface` that takes additive `(B, 1, T_q, T_k)` masks (the CPU fast paths register one).
+    `q_proj`, `k_proj`, `v_proj` project queries, keys and values (D -> D each, the names PEFT uses). Encoder-decoder
+    attention (§3.2.3, `is_cross_attention`) projects queries from the decoder, keys and values from the encoder
+    output (once per `generate()` call, then cached). Eq. 1 is the function transformers' attention interface holds
+    for `config._attn_implementation`: "sdpa" (the default), "eager" (`eager_attention_forward`, also whenever
+    `output_attentions=True`), or one registered with `AttentionInterface` taking additive `(B, 1, T_q, T_k)` masks.
     """
 
     def __init__(self, config: VaswaniConfig, is_cross_attention: bool = False, is_causal: bool = False,
@@ -273,12 +263,11 @@ def causal_mask(attention_mask: torch.Tensor | None, batch: int, length: int, pa
                 dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """Additive `(B, 1, T, K)` mask hiding future positions (§3.2.3) and padded keys.
 
-    `past` is the number of cached positions (an int, or a 0-dim tensor for transformers' static cache), `key_length`
-    K the number of keys attention sees: `past + T`, or the static cache's full length, whose unwritten slots lie in
-    the future of every query. `attention_mask` is `(B, T)`, `(B, P + T)` or `(B, K)` (1 keep, 0 pad), or a ready
-    `(B, 1, T, K)` mask, boolean (True attends) or additive, as `generate()` builds for a static cache. `None` where
-    causality alone hides what must be hidden and no padding mask is given, with no cached positions: the attention
-    functions then mask the future of a causal module themselves (`is_causal`, as torch's SDPA does).
+    `past`: cached positions (an int, or a 0-dim tensor for a static cache); `key_length` K: the keys attention sees,
+    `past + T` or a static cache's full length (its unwritten slots lie in every query's future). `attention_mask`:
+    `(B, T)`, `(B, P + T)` or `(B, K)` (1 keep, 0 pad), or a ready boolean (True attends) or additive `(B, 1, T, K)`
+    mask. `None` where causality alone hides what must be hidden, with nothing cached: the attention functions then
+    mask a causal module's future themselves (`is_causal`, as torch's SDPA does).
     """
     if attention_mask is not None and attention_mask.dim() == 4:
         return additive_mask(~attention_mask, dtype) if attention_mask.dtype == torch.bool else attention_mask.to(dtype)
@@ -416,13 +405,19 @@ class VaswaniPreTrainedModel(VaswaniLoadingMixin, PreTrainedModel):
     _supports_flex_attn = False
     _can_compile_fullgraph = True
 
-    def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
-        """transformers' `resize_token_embeddings`: resizes the input embeddings and updates `config.vocab_size`.
+    @property
+    def loss_function(self) -> Callable:
+        """transformers' hook for `forward`'s loss: `cross_entropy_loss` (§5.4, below) unless set."""
+        return getattr(self, "_loss_function", None) or cross_entropy_loss
 
-        With one shared matrix (the default) that resizes source, target and `lm_head` together (§3.4). With
-        `share_encoder_decoder_embeddings=False` only the source (encoder) vocabulary changes; the target size is
-        then written to `config.target_vocab_size`, so that the saved config still describes the decoder.
-        """
+    @loss_function.setter
+    def loss_function(self, value: Callable) -> None:
+        self._loss_function = value
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
+        """transformers' `resize_token_embeddings`: with one shared matrix (§3.4) source, target and `lm_head` resize
+        together; with `share_encoder_decoder_embeddings=False` only the source, and `config.target_vocab_size` keeps
+        the decoder's size."""
         if not self.config.share_encoder_decoder_embeddings and self.config.target_vocab_size is None:
             self.config.target_vocab_size = self.config.decoder_vocab_size
         return super().resize_token_embeddings(new_num_tokens, *args, **kwargs)
@@ -649,8 +644,7 @@ class VaswaniModel(VaswaniPreTrainedModel):
         Returns:
             `Seq2SeqModelOutput` with `last_hidden_state` `(B, T, D)` from the decoder and the encoder's output.
         Raises:
-            ValueError: ids or masks that do not fit together (`inputs_vaswani.check_model_inputs`: shapes, an
-                all-zero or non-0/1 mask row, float masks or ids).
+            ValueError: ids or masks that do not fit together (`inputs_vaswani.check_model_inputs`).
         """
         past_key_values = one_cache(past_key_values, cache)
         check_model_inputs(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, inputs_embeds,
@@ -723,14 +717,13 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             num_items_in_batch: the number of labelled tokens in the whole (accumulated, all-device) batch, as
                 Trainer passes it; the loss is then a sum divided by it, which keeps gradient accumulation exact.
             logits_to_keep: without `labels`, project only the last `logits_to_keep` target positions (an int; 0, the
-                default, keeps all) or the positions in a 1-D index tensor to the vocabulary. `generate()` passes 1,
-                which matters when the decoder starts from a forced prefix of several tokens. Ignored with `labels`.
+                default, keeps all) or those of a 1-D index tensor (`generate()` passes 1). Ignored with `labels`.
             cache, position_ids, decoder_position_ids, kwargs: as `VaswaniModel.forward`.
         Returns:
             `Seq2SeqLMOutput` with `logits` `(B, T, V)` (T: the kept positions) and, with `labels`, `loss`: the plain
-            cross-entropy over labelled tokens (`cross_entropy_loss`), as every transformers model returns it; the
-            training commands train on the label-smoothed loss of §5.4 (fast_paths_vaswani.py). The cache (`cache=` or
-            `past_key_values=`) comes back under the installed version's name.
+            cross-entropy over labelled tokens (`loss_function`), as every transformers model returns it; the training
+            commands train on §5.4's label-smoothed loss (fast_paths_vaswani.py). The cache comes back under the
+            installed version's name.
         Raises:
             ValueError: both `cache` and `past_key_values` given; `labels` outside the vocabulary, or ids, masks or
                 labels that do not fit together (`inputs_vaswani.check_model_inputs`).
@@ -757,7 +750,7 @@ class VaswaniForConditionalGeneration(VaswaniPreTrainedModel, VaswaniGenerationM
             hidden_states = hidden_states[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int)
                                           else logits_to_keep]
         logits = self.lm_head(hidden_states)  # (B, T, V)
-        loss = None if labels is None else cross_entropy_loss(logits, labels, num_items_in_batch)
+        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
         output = Seq2SeqLMOutput(
             loss=loss, logits=logits, **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             decoder_hidden_states=outputs.decoder_hidden_states, decoder_attentions=outputs.decoder_attentions,
