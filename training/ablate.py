@@ -136,7 +136,7 @@ def run_row(name: str, output_dir: Path, minutes: float, extra: list[str], max_s
     Raises:
         RuntimeError: the training process failed (its exit status and log file named).
     """
-    from .output_dir import write_json_atomic
+    from .lib.output_dir import write_json_atomic
 
     folder = output_dir / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {error}") from None
     from vaswani_hf.checks import replace_file_atomically
 
-    from .output_dir import write_json_atomic
+    from .lib.output_dir import write_json_atomic
 
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

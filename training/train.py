@@ -5,7 +5,7 @@
     accelerate launch training/train.py --preset base --bf16   # the same on N GPUs / nodes
 
 Every Seq2SeqTrainingArguments flag works (--output_dir, --max_steps, --gradient_accumulation_steps, --save_steps,
---resume_from_checkpoint, --push_to_hub, --report_to, ...), plus the flags of `training/arguments.py`; those the
+--resume_from_checkpoint, --push_to_hub, --report_to, ...), plus the flags of `training/lib/arguments.py`; those the
 paper's Adam and schedule replace (--learning_rate, --optim, --adam_*, ...) are refused (`check_trainer_flags`).
 
 The recipe (§5.3-5.4): Adam(0.9, 0.98, 1e-9); lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
@@ -49,9 +49,9 @@ from vaswani_hf.data import PaddedBatches, StreamingTokenBudgetBatches, example_
 from vaswani_hf.fast_paths_vaswani import training_fast_paths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
-from .arguments import DataArguments, ModelArguments, RecipeArguments
-from .checkpoints import average_into, write_run_settings
-from .choose import (
+from .lib.arguments import DataArguments, ModelArguments, RecipeArguments
+from .lib.checkpoints import average_into, write_run_settings
+from .lib.choose import (
     COOLDOWN_CHECKPOINTS,
     SEARCH_COST_FACTOR,
     averaging_searched,
@@ -59,13 +59,13 @@ from .choose import (
     search_passes,
     write_given_decoding,
 )
-from .dropout import LongRunDropout, long_run_dropout
-from .output_dir import claim_output_dir, retire_previous_results
-from .planner import BudgetPlanner
-from .precision import cpu_precision
-from .prepare import select, token_budget_sampler, training_stream
-from .presets import resolve_preset
-from .run import (
+from .lib.dropout import LongRunDropout, long_run_dropout
+from .lib.output_dir import claim_output_dir, retire_previous_results
+from .lib.planner import BudgetPlanner
+from .lib.precision import cpu_precision
+from .lib.prepare import select, token_budget_sampler, training_stream
+from .lib.presets import resolve_preset
+from .lib.run import (
     HubPush,
     Run,
     check_distributed,

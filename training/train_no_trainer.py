@@ -10,8 +10,8 @@ run_translation_no_trainer.py).
 
 The minimal reference loop, as transformers' `*_no_trainer.py` examples are: the recipe written out in one loop that
 a reader can follow update by update. Set-up, checks, lock, averaging, test-set BLEU, metrics and upload are train.py's
-(the run scaffold of training/run.py); the data, tokenizer, presets, model and schedule too (training/prepare.py,
-training/presets.py and vaswani_hf), and every shared flag works the same way.
+(the run scaffold of training/lib/run.py); the data, tokenizer, presets, model and schedule too
+(training/lib/prepare.py, training/lib/presets.py and vaswani_hf), and every shared flag works the same way.
 
 - One update = `--gradient_accumulation_steps` token-budget batches (§5.1) on every process. accelerate shards the
   batches over the processes (rank r takes batches r, r + N, ...; `even_batches` repeats at most N - 1 batches from
@@ -64,14 +64,14 @@ from vaswani_hf.data import PaddedBatches
 from vaswani_hf.fast_paths_vaswani import training_fast_paths
 from vaswani_hf.schedule import paper_optimizer_and_schedule
 
-from .arguments import DataArguments, ModelArguments, RecipeArguments
-from .checkpoints import RUN_SETTINGS, average_into, run_settings
-from .choose import write_given_decoding
-from .output_dir import claim_output_dir, retire_previous_results, write_json_atomic
-from .precision import cpu_precision
-from .prepare import token_budget_sampler
-from .presets import resolve_preset
-from .run import (
+from .lib.arguments import DataArguments, ModelArguments, RecipeArguments
+from .lib.checkpoints import RUN_SETTINGS, average_into, run_settings
+from .lib.choose import write_given_decoding
+from .lib.output_dir import claim_output_dir, retire_previous_results, write_json_atomic
+from .lib.precision import cpu_precision
+from .lib.prepare import token_budget_sampler
+from .lib.presets import resolve_preset
+from .lib.run import (
     HubPush,
     Run,
     check_distributed,
@@ -95,7 +95,7 @@ TMP_PREFIX = ".tmp-"
 
 @dataclass
 class LoopArguments:
-    """The loop's own flags (the shared ones are training/arguments.py's, as for train.py)."""
+    """The loop's own flags (the shared ones are training/lib/arguments.py's, as for train.py)."""
 
     output_dir: str = field(default="outputs/multi30k-de-en-no-trainer", metadata={
         "help": "Model, tokenizer, checkpoints, metrics.json and trainer_state.json go here."})

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     import vaswani_hf  # noqa: F401  (registers the model with the Auto classes)
     from vaswani_hf.decoding.translate import translate_sentences
 
-    from .output_dir import write_lines_atomic
+    from .lib.output_dir import write_lines_atomic
 
     if args.batch_size < 1:
         raise SystemExit(f"--batch_size must be >= 1, got {args.batch_size}.")
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model)
     from vaswani_hf.checks import CheckError, check_model_folder, check_output_file
 
-    from .inputs import check_device, check_sentence_lengths
+    from .lib.inputs import check_device, check_sentence_lengths
 
     try:  # a vaswani model folder with complete safetensors weights and its tokenizer
         check_model_folder(model_dir, trust_remote_code=args.trust_remote_code)

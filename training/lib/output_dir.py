@@ -30,7 +30,7 @@ from vaswani_hf.checks import (
 )
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .state import Run
 
 logger = logging.getLogger("vaswani_hf.training")
 

@@ -12,7 +12,7 @@ learning rate. `BudgetPlanner` instead:
    preset's `max_steps`;
 3. ends the learning-rate schedule there: Eq. 3 of the paper, then a linear cooldown to 0 over the last
    `cooldown_fraction` of the planned updates (`vaswani_hf.schedule.cooldown_learning_rate`);
-4. saves `cooldown_checkpoints` checkpoints evenly over the cooldown, for averaging (§6.1; training/choose.py);
+4. saves `cooldown_checkpoints` checkpoints evenly over the cooldown, for averaging (§6.1; training/lib/choose.py);
 5. re-plans after every validation run and every `replan_every` steps with the speed measured so far (once the
    cooldown has started, only to end sooner if the run falls behind, at the pace of its last `replan_every` steps
    where their median is slower: the lr still reaches 0 at the end), and stops training at the planned update; a
@@ -63,7 +63,7 @@ VALIDATION_RUNS_TIMED = 3
 
 def seconds_after_training(test_sentences: int, seconds_per_sentence: float, search_sentences: float = 0) -> float:
     """Estimated time of everything after training: the choice on validation (`search_sentences`, in units of one
-    test sentence's decoding; training/choose.py), translating `test_sentences` and saving
+    test sentence's decoding; training/lib/choose.py), translating `test_sentences` and saving
     (`SECONDS_AFTER_DECODING`)."""
     return SECONDS_AFTER_DECODING + (test_sentences + search_sentences) * seconds_per_sentence
 
@@ -82,7 +82,7 @@ class BudgetPlanner(TrainerCallback):
         measure_steps: the plan is made after this many updates; steps `measure_from + 1 ..` are timed.
         replan_every: re-plan every this many updates until the cooldown starts.
         seconds_per_test_sentence: the guess for the final translation before a validation run has measured it.
-        search_sentences: the choice on validation at the end (training/choose.py), in test sentences' decoding time.
+        search_sentences: the choice on validation at the end (lib/choose.py), in test sentences' decoding time.
         cooldown_checkpoints: checkpoints saved evenly over the cooldown, the last at the planned end (for averaging,
             §6.1); 0: none besides the last.
 

@@ -40,7 +40,7 @@ from .output_dir import write_json_atomic
 from .presets import parse_overrides
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .state import Run
 
 logger = logging.getLogger("vaswani_hf.training")
 

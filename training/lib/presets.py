@@ -43,15 +43,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         # in the fp32 run of the budget, and lower in bf16 too at 1,024-token batches (docs/results.md, "The vocabulary
         # size"), so it was not taken.
         "max_tokens": 1024, "warmup_steps": 400, "lr_factor": 0.5, "max_steps": 8000, "vocab_size": 8000,
-        # The whole command (start to BLEU printed) plans its steps to end within this budget (training/planner.py):
+        # The whole command (start to BLEU printed) plans its steps to end within this budget (training/lib/planner.py):
         # up to max_steps, fewer on a slower machine, the schedule always ending in a linear cooldown to lr 0 over
         # the last `cooldown_fraction` of the planned steps (a departure from §5.3, cpu preset only; README), then the
-        # checkpoints to average and the length penalty are chosen on validation (training/choose.py). 26 minutes on
+        # checkpoints to average and the length penalty are chosen on validation (training/lib/choose.py). 26 minutes on
         # every CPU: with set-up (venv, pip) the README's one-line command stays under 30; a CPU with native bf16
         # spends what it saves on more steps (validation BLEU still rose at 2,300 steps; docs/results.md).
         "time_budget_minutes": 26, "cooldown_fraction": 0.2,
         # Where the plan at step 50 fits >= 4,200 updates, dropout on the attention probabilities and after the FFN's
-        # ReLU too (not in the paper; training/dropout.py): +0.44 to +0.75 validation BLEU over the preset in three
+        # ReLU too (not in the paper; training/lib/dropout.py): +0.44 to +0.75 validation BLEU over the preset in three
         # pairs of seeds at 5,000-5,945 steps; at the AVX2 path's 4,200 fp32 steps one pair scored 0.32 lower with it.
         # Plans run under the final steps; at step 50 the two paths lie further apart (3,579-4,126 against
         # 4,451-5,181) than at step 12 (docs/results.md, "Dropout at 1,024-token batches").

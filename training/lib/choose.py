@@ -24,7 +24,7 @@ from typing import Any
 from vaswani_hf.checks import replace_file_atomically
 
 from .checkpoints import checkpoint_step, current_run_checkpoints
-from .run import Run
+from .state import Run
 
 # At most this many checkpoints of the cooldown are averaged (the planner saves them evenly over it; §6.1 averaged
 # the last 5 of the base model, written 10 minutes apart).

@@ -3,22 +3,22 @@ a run does before and after its training steps, written once.
 
 A loop calls, in order:
 
-1. `start_process()`: log lines with times; the CPU settings of `training/cpu_tuning.py`.
+1. `start_process()`: log lines with times; the CPU settings of `training/lib/cpu_tuning.py`.
 2. `new_run(...)`: the preset's values for every flag the command line does not give, resolved into a `RunPlan`
    (updates, warmup, batch tokens, lr factor, time budget), held with the flags in a `Run`.
 3. `check_inputs(run, ...)`: `--average_last` against the checkpoints the run keeps, the model and tokenizer it starts
-   from (`training/inputs.py`), the checkpoint a resumed run continues (`training/checkpoints.py`: complete, finite,
-   of a run with the same settings: `run_settings`), the Hub endpoint of `--push_to_hub`, and the data
-   (`training/prepare.py` `check_data`: its splits, first records, at least one pair each); before anything is written.
-4. `with claim_output_dir(run, main_process=...)` (`training/output_dir.py`): `--output_dir` is writable, locked
+   from (`lib/inputs.py`), the checkpoint a resumed run continues (`lib/checkpoints.py`: complete, finite, of a run
+   with the same settings: `run_settings`), the Hub endpoint of `--push_to_hub`, and the data (`lib/prepare.py`
+   `check_data`: its splits, first records, at least one pair each); before anything is written.
+4. `with claim_output_dir(run, main_process=...)` (`training/lib/output_dir.py`): `--output_dir` is writable, locked
    against a second run, and holds no other run.
 5. `prepare(run, ...)`: data -> joint BPE -> token ids, and the model; `check_positions`: learned positions cover the
    lengths the run feeds them.
 6. its own training steps, writing `run_settings` into each checkpoint (`write_run_settings`, `RUN_SETTINGS` of
-   `training/checkpoints.py`).
-7. `retire_previous_results(run)` (`training/output_dir.py`) before the final model is written into --output_dir (an
+   `training/lib/checkpoints.py`).
+7. `retire_previous_results(run)` (`training/lib/output_dir.py`) before the final model is written into --output_dir (an
    earlier `metrics.json` and `test_translations.txt` are renamed, never left beside other weights),
-   `average_into(run, model)` (`training/checkpoints.py`) once it is saved, then `run_metrics(...)` and
+   `average_into(run, model)` (`training/lib/checkpoints.py`) once it is saved, then `run_metrics(...)` and
    `finish(...)`: the test set's BLEU, `metrics.json` (with the fingerprint of the weights it scored and the run's
    history: base model, data, steps), and the Hub upload.
 
@@ -33,7 +33,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +56,7 @@ from .output_dir import write_json_atomic, write_lines_atomic
 from .planner import process_start_monotonic, seconds_after_training
 from .precision import cpu_has_native_bf16
 from .prepare import build_model, check_data, data_sources, dataset_label, is_multi30k, prepare_data, select
+from .state import HubPush, Run, RunPlan
 
 logger = logging.getLogger("vaswani_hf.training")
 
@@ -116,61 +116,6 @@ def strip_hub_token(args) -> str | None:
     if token is not None:
         args.hub_token = None
     return token
-
-
-@dataclass
-class RunPlan:
-    """What a training run does, resolved once from its flags and its preset before any work.
-
-    Attributes:
-        max_steps: parameter updates to train (fewer where the time budget or the clock stops the run).
-        warmup_steps: warmup updates of the schedule (§5.3, Eq. 3), at least 1.
-        max_tokens: token budget of one batch on one device, padding included (§5.1).
-        lr_factor: the factor of Eq. 3.
-        budget_minutes: the whole command's time budget, start to test BLEU (None: none).
-        max_train_minutes: a plain clock stop for training (None: none).
-        resuming: the run continues a checkpoint (`--resume_from_checkpoint`).
-        precision, precision_reason: what the run computes in ("fp32", "bf16 autocast", "fp16 autocast") and why.
-        started: `time.time()` when the run was planned; averaging reads only checkpoints saved since.
-        resume_from: the checkpoint folder a resumed run continues (set by `check_inputs`).
-    """
-
-    max_steps: int
-    warmup_steps: int
-    max_tokens: int
-    lr_factor: float
-    budget_minutes: float | None = None
-    max_train_minutes: float | None = None
-    resuming: bool = False
-    precision: str = "fp32"
-    precision_reason: str = ""
-    started: float = field(default_factory=time.time)
-    resume_from: str | None = None
-
-
-@dataclass
-class Run:
-    """A training command's shared flags, its preset and its plan: what every step of the scaffold reads."""
-
-    model_args: ModelArguments
-    data_args: DataArguments
-    recipe: RecipeArguments
-    preset: dict[str, Any]
-    plan: RunPlan
-    output_dir: Path
-    resume_value: str | bool | None = None  # --resume_from_checkpoint as given
-    train_pairs: int | None = None  # the training pairs the run trains on (set by `prepare`; None for a stream)
-    train_pairs_left_out: int | None = None  # read but left out, longer than the limits (--drop_long_pairs)
-
-
-@dataclass
-class HubPush:
-    """Where `--push_to_hub` uploads the run's Hub-ready export at the end (`training/export.py`)."""
-
-    repo_id: str | None
-    token: str | None = None
-    private: bool | None = None
-    endpoint: str | None = None
 
 
 def default_budget_minutes(preset: dict[str, Any], recipe: RecipeArguments, device_type: str) -> float | None:
@@ -265,7 +210,7 @@ def check_inputs(run: Run, *, save_total_limit: int | None, save_total_limit_giv
         # the cooldown's checkpoints, and the --save_steps ones that may fall among them, stay until the choice
         limit = max(limit, COOLDOWN_CHECKPOINTS + 2)
     if push is not None:
-        from .publish import check_hub_reachable
+        from .publishing import check_hub_reachable
 
         check_hub_reachable(push.endpoint)
     check_data(run.data_args)
@@ -341,7 +286,7 @@ def run_metrics(run: Run, model, *, steps: int, epochs: float, train_seconds: fl
                 distributed_type: str, world_size: int, mixed_precision: str | None,
                 label_smoothing: float) -> dict[str, Any]:
     """The metrics both loops record for a run (metrics.json); each loop adds its own (loss, tokens, plan) and the
-    choice made on validation (`training/choose.py`) replaces `averaged_checkpoints`."""
+    choice made on validation (`training/lib/choose.py`) replaces `averaged_checkpoints`."""
     return {
         "preset": run.model_args.preset,
         "label_smoothing": label_smoothing,
@@ -400,9 +345,9 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     scheduler that sends SIGTERM kills soon after), and metrics.json says so.
 
     `metrics` is updated in place and returned, with `source_lang`, `target_lang` and the history added (the model
-    card of `training/export.py` reads them).
+    card of `lib/publishing.py` reads them).
     """
-    from .evaluate_bleu import evaluate_test_set
+    from .scoring import evaluate_test_set
 
     data_args, output_dir = run.data_args, run.output_dir
     metrics.update(source_lang=data_args.source_lang, target_lang=data_args.target_lang, **run_history(run, raw))
@@ -414,7 +359,7 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
         metrics["test"] = "not translated (--skip_test)"
     elif "test" in raw:
         test = select(raw["test"], data_args.max_test_samples)
-        generation = model.generation_config  # the decoding chosen on validation (training/choose.py) or given
+        generation = model.generation_config  # the decoding chosen on validation (training/lib/choose.py) or given
         result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=batch_size,
                                    num_beams=generation.num_beams or num_beams,
                                    length_penalty=generation.length_penalty,
@@ -444,7 +389,7 @@ def finish(run: Run, model, tokenizer, raw, metrics: dict[str, Any], *, batch_si
     print(f"Model, tokenizer and metrics.json written to {output_dir}")
     print(f"Whole command: {metrics['command_minutes']} min" + (f" (time budget {budget:g} min)" if budget else ""))
     if push is not None and not stopped_by:
-        from .publish import write_and_push
+        from .publishing import write_and_push
 
         write_and_push(output_dir, repo_id=push.repo_id, token=push.token, private=push.private,
                        endpoint=push.endpoint)
