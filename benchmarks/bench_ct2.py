@@ -225,7 +225,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="Tiny random model, few sentences: runs in seconds.")
     parser.add_argument("--malloc", choices=("keep", "default"), default="keep",
                         help="keep (default): glibc's malloc keeps freed memory for reuse in this process "
-                             "(vaswani_training.cpu_tuning.keep_freed_memory, as vaswani-train does), so that "
+                             "(vaswani_training.lib.cpu_tuning.keep_freed_memory, as vaswani-train does), so that "
                              "generate()'s per-step logits are not page-faulted in again; CTranslate2 has its own "
                              "caching allocator. default: glibc's defaults.")
     parser.add_argument("--output", help="Also write the results as JSON here.")
@@ -236,7 +236,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     kept = False
     if args.malloc == "keep":
-        from vaswani_training.cpu_tuning import keep_freed_memory
+        from vaswani_training.lib.cpu_tuning import keep_freed_memory
 
         kept = keep_freed_memory()
     if args.quick:

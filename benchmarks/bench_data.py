@@ -5,7 +5,7 @@ from real sentences (`vaswani_training.synthetic`: 1-3 joined Multi30k pairs, ~2
 runs each variant in a fresh process and reports wall times and peak memory:
 
 * `ours` — what `vaswani-train --dataset_name FOLDER --source_lang en --target_lang de --vocab_size 37000
-  --preprocessing_num_workers 2` prepares before its first step (`vaswani_training.prepare.prepare_data`: read and
+  --preprocessing_num_workers 2` prepares before its first step (`vaswani_training.lib.prepare.prepare_data`: read and
   clean the splits, train the 37k joint BPE, tokenize, then the token-budget batches of 25,000 tokens), first with
   empty caches (`cold`), then again with the caches of the first (`cached`: process start to the first batch);
 * `baseline` — transformers' `examples/pytorch/translation/run_translation.py` preprocessing on the same corpus and
@@ -81,8 +81,8 @@ def run_ours(corpus: Path, cache: Path, loader_batches: int, started: float) -> 
     from transformers import DataCollatorForSeq2Seq
 
     from vaswani_hf.data import PaddedBatches, tokenize_dataset
-    from vaswani_training.arguments import DataArguments, ModelArguments
-    from vaswani_training.prepare import get_tokenizer, load_raw_datasets, token_budget_sampler
+    from vaswani_training.lib.arguments import DataArguments, ModelArguments
+    from vaswani_training.lib.prepare import get_tokenizer, load_raw_datasets, token_budget_sampler
 
     data_args = DataArguments(dataset_name=str(corpus), source_lang=SOURCE, target_lang=TARGET,
                               preprocessing_num_workers=WORKERS)

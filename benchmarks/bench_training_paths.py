@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     kept = False
     if args.malloc == "keep":  # as vaswani-train and benchmark.py run
-        from vaswani_training.cpu_tuning import keep_freed_memory
+        from vaswani_training.lib.cpu_tuning import keep_freed_memory
 
         kept = keep_freed_memory()
     if args.label_smoothing == 0.0:

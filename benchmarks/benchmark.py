@@ -416,7 +416,7 @@ def time_products(name: str, model, optimizer, batch, args) -> dict:
     return {**seconds, "product_calls": calls["products"], "attention_calls": calls["attention"]}
 
 
-# The sizes at which the CPU MFU is reported: the paper's base model and the `cpu` preset of training/presets.py.
+# The sizes at which the CPU MFU is reported: the paper's base model and the `cpu` preset of training/lib/presets.py.
 MFU_SIZES = {"base": {"d_model": 512, "layers": 6, "heads": 8, "d_ff": 2048},
              "cpu": {"d_model": 256, "layers": 3, "heads": 4, "d_ff": 1024}}
 
@@ -794,8 +794,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="skip the GEMM-peak measurement and the training MFU at base and cpu-preset dims")
     run.add_argument("--malloc", choices=("keep", "default"), default="keep",
                      help="keep: glibc's malloc keeps freed memory for reuse "
-                          "(vaswani_training.cpu_tuning.keep_freed_memory, as vaswani-train does), for both models' "
-                          "speed measurements; default: glibc's defaults. The memory measurements run in fresh "
+                          "(vaswani_training.lib.cpu_tuning.keep_freed_memory, as vaswani-train does), for both "
+                          "models' speed measurements; default: glibc's defaults. The memory measurements run in fresh "
                           "processes with their own setting")
     run.add_argument("--compile", action="store_true",
                      help="torch.compile both models' forward for the training measurements (generate() stays eager)")
@@ -849,7 +849,7 @@ def main(argv=None) -> dict | None:
         return None
     kept = False
     if args.malloc == "keep":
-        from vaswani_training.cpu_tuning import keep_freed_memory
+        from vaswani_training.lib.cpu_tuning import keep_freed_memory
 
         kept = keep_freed_memory()
     torch.manual_seed(args.seed)

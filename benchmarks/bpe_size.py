@@ -27,18 +27,18 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from vaswani_training.cpu_tuning import bound_onednn_caches, keep_freed_memory  # noqa: E402
+from vaswani_training.lib.cpu_tuning import bound_onednn_caches, keep_freed_memory  # noqa: E402
 
-keep_freed_memory()  # the process settings vaswani-train makes before its first tensor (training/run.py)
+keep_freed_memory()  # the process settings vaswani-train makes before its first tensor (training/lib/run.py)
 bound_onednn_caches()
 
 from cpu_levers import batches  # noqa: E402
 
 from vaswani_hf.fast_paths_vaswani import training_fast_paths  # noqa: E402
 from vaswani_hf.schedule import paper_adam  # noqa: E402
-from vaswani_training.arguments import DataArguments, ModelArguments  # noqa: E402
-from vaswani_training.prepare import build_model, prepare_data, token_budget_sampler  # noqa: E402
-from vaswani_training.presets import PRESETS  # noqa: E402
+from vaswani_training.lib.arguments import DataArguments, ModelArguments  # noqa: E402
+from vaswani_training.lib.prepare import build_model, prepare_data, token_budget_sampler  # noqa: E402
+from vaswani_training.lib.presets import PRESETS  # noqa: E402
 
 
 def steps_per_epoch(vocab_size: int, max_tokens: int) -> tuple[int, int]:

@@ -27,9 +27,9 @@ from transformers import DataCollatorForSeq2Seq  # noqa: E402
 
 from vaswani_hf.fast_paths_vaswani import training_fast_paths  # noqa: E402
 from vaswani_hf.schedule import paper_adam  # noqa: E402
-from vaswani_training.arguments import DataArguments, ModelArguments  # noqa: E402
-from vaswani_training.prepare import build_model, prepare_data, token_budget_sampler  # noqa: E402
-from vaswani_training.presets import PRESETS  # noqa: E402
+from vaswani_training.lib.arguments import DataArguments, ModelArguments  # noqa: E402
+from vaswani_training.lib.prepare import build_model, prepare_data, token_budget_sampler  # noqa: E402
+from vaswani_training.lib.presets import PRESETS  # noqa: E402
 
 
 def batches(n: int, vocab_size: int | None = None, max_tokens: int | None = None):

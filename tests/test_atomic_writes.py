@@ -1,6 +1,6 @@
-"""Output files are written atomically (training/output_dir.py): a failure or a kill in the middle of a write leaves the
-previous file as it was, never half a file, and the new file follows the user's umask. And every place in vaswani_hf/
-and training/ that writes a file is one we have checked.
+"""Output files are written atomically (training/lib/output_dir.py): a failure or a kill in the middle of a write leaves
+the previous file as it was, never half a file, and the new file follows the user's umask. And every place in
+vaswani_hf/ and training/ that writes a file is one we have checked.
 
 (Training faults, run for real, are in tests/test_resume.py.)
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-from vaswani_training.output_dir import write_json_atomic, write_lines_atomic
+from vaswani_training.lib.output_dir import write_json_atomic, write_lines_atomic
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -58,7 +58,7 @@ KILLED_WRITER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     sys.path.insert(0, sys.argv[3])
-    from vaswani_training.output_dir import write_lines_atomic
+    from vaswani_training.lib.output_dir import write_lines_atomic
 
     def lines():
         for i in range(50_000):
@@ -94,7 +94,7 @@ def test_a_kill_in_the_middle_of_a_write_leaves_the_old_file(tmp_path):
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_atomic_writes_follow_the_umask(tmp_path, umask):
-    from vaswani_training.output_dir import write_json_atomic, write_lines_atomic
+    from vaswani_training.lib.output_dir import write_json_atomic, write_lines_atomic
 
     previous = os.umask(umask)
     try:
@@ -115,14 +115,14 @@ CHECKED_WRITES = {
     ("training/ablate.py", "main", "write_text"): "into replace_file_atomically's temporary file",
     ("training/ablate.py", "run_row", "open"): "the row's training log, streamed while it runs; the row's result, "
                                                "table3_row.json, is written atomically after it",
-    ("training/output_dir.py", "_write_atomic.write_text", "open"): "into replace_file_atomically's temporary file",
-    ("training/output_dir.py", "write_json_atomic.write", "dump"): "the atomic helper",
-    ("training/output_dir.py", "write_lines_atomic", "writelines"): "the atomic helper",
-    ("training/prepare.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then swap_in_folder",
+    ("training/lib/output_dir.py", "_write_atomic.write_text", "open"): "into replace_file_atomically's temporary file",
+    ("training/lib/output_dir.py", "write_json_atomic.write", "dump"): "the atomic helper",
+    ("training/lib/output_dir.py", "write_lines_atomic", "writelines"): "the atomic helper",
+    ("training/lib/prepare.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then swap_in_folder",
     ("vaswani_hf/data/caches.py", "write_manifest", "write_text"): "into the same mkdtemp folder, last, before it is "
                                                                     "renamed into the cache",
-    ("training/publish.py", "write_hub_folder", "save_pretrained"): "into a mkdtemp folder, then os.replace",
-    ("training/publish.py", "write_hub_folder", "write_text"): "into the same mkdtemp folder",
+    ("training/lib/publishing.py", "write_hub_folder", "save_pretrained"): "into a mkdtemp folder, then os.replace",
+    ("training/lib/publishing.py", "write_hub_folder", "write_text"): "into the same mkdtemp folder",
     ("training/train_no_trainer.py", "save_checkpoint", "save_pretrained"): "into .tmp-checkpoint-<step>, renamed",
     ("training/train_no_trainer.py", "save_checkpoint", "save_state"): "into the same .tmp-checkpoint-<step>",
     ("training/train_no_trainer.py", "_run.save_model_hook", "save_pretrained"): "called by save_state into the tmp "
@@ -140,7 +140,7 @@ CHECKED_WRITES = {
     # file. A kill during that save can leave a truncated model.safetensors: from_pretrained and the commands then
     # refuse it with a clear error (tests/test_loading.py), and the checkpoint-<step> folders still hold the run.
     # The lock file holds only the pid of the run holding it; the lock itself is the open file's flock.
-    ("training/output_dir.py", "RunLock.acquire", "open"): "a lock file; its content is informational",
+    ("training/lib/output_dir.py", "RunLock.acquire", "open"): "a lock file; its content is informational",
     ("training/train.py", "_train", "save_model"): "transformers' model folder; truncation is detected on load",
     ("training/train.py", "_train", "save_pretrained"): "the tokenizer beside it; as above",
     ("training/train_no_trainer.py", "_run", "save_pretrained"): "transformers' model folder; as above",
@@ -176,8 +176,9 @@ def write_sites() -> set[tuple[str, str, str]]:
 def test_every_file_write_is_atomic_or_checked():
     unchecked = sorted(write_sites() - set(CHECKED_WRITES))
     assert not unchecked, (
-        "New file writes: write outputs with vaswani_training.output_dir.write_json_atomic / write_lines_atomic (or a "
-        "temporary file/folder and os.replace), then add them to CHECKED_WRITES with the reason: " + repr(unchecked))
+        "New file writes: write outputs with vaswani_training.lib.output_dir.write_json_atomic / write_lines_atomic "
+        "(or a temporary file/folder and os.replace), then add them to CHECKED_WRITES with the reason: "
+        + repr(unchecked))
     # The commands' outputs go through the atomic helpers.
     for command in ("translate.py", "evaluate_bleu.py"):
         text = (ROOT / "training" / command).read_text()

@@ -1,4 +1,4 @@
-"""The length penalty and the checkpoints to average chosen on validation (§6.1; training/choose.py,
+"""The length penalty and the checkpoints to average chosen on validation (§6.1; training/lib/choose.py,
 vaswani_hf/decoding/search.py), and `generate()` under the paper's GNMT length penalty."""
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def test_best_setting_keeps_the_first_of_equal_scores():
 
 
 def test_spread_over_cooldown_leaves_out_a_checkpoint_a_few_steps_from_a_newer_one(tmp_path):
-    from vaswani_training.choose import spread_over_cooldown
+    from vaswani_training.lib.choose import spread_over_cooldown
 
     steps = [2545, 2696, 2847, 2998, 3000, 3149]  # the planner's every 151 steps, and --save_steps 500's 3000
     folders = [tmp_path / f"checkpoint-{step}" for step in steps]
@@ -230,7 +230,7 @@ def test_the_run_averages_the_cooldown_checkpoints_and_searches_the_penalty(chos
     assert len(tried) == len(candidates) * 2 * len(DEFAULT_ALPHAS)
     assert {r["average_last"] for r in tried} == set(range(1, len(candidates) + 1))
     assert all(r["sentences"] == 16 and r["num_beams"] == 4 for r in tried)
-    long_enough = [r for r in tried if r["length_ratio"] >= 1.0] or tried  # the floor of training/choose.py
+    long_enough = [r for r in tried if r["length_ratio"] >= 1.0] or tried  # the floor of training/lib/choose.py
     best = max(long_enough, key=lambda r: r["bleu"])
     assert (choice["chosen"]["bleu"], choice["chosen"]["length_ratio"]) == (best["bleu"], best["length_ratio"])
     generation = json.loads((out / "generation_config.json").read_text())
@@ -271,7 +271,7 @@ def test_the_folder_holds_the_chosen_weights_and_decodes_to_the_recorded_score(c
 
 
 def test_the_model_card_says_what_was_chosen_and_how_generate_decodes(chosen_run):
-    from vaswani_training.publish import render_model_card
+    from vaswani_training.lib.publishing import render_model_card
 
     out, metrics = chosen_run
     chosen = metrics["chosen_on_validation"]["chosen"]

@@ -1,8 +1,8 @@
-"""The training scripts' process memory settings (training/cpu_tuning.py), each in a fresh process:
+"""The training scripts' process memory settings (training/lib/cpu_tuning.py), each in a fresh process:
 
-- `vaswani_training.cpu_tuning.keep_freed_memory`: glibc keeps freed memory, so training steps stop page-faulting their
-  activations in again; the user's own MALLOC_* settings and VASWANI_KEEP_FREED_MEMORY=0 win.
-- `vaswani_training.cpu_tuning.bound_onednn_caches`: torch's caches of oneDNN computations stay small when every
+- `vaswani_training.lib.cpu_tuning.keep_freed_memory`: glibc keeps freed memory, so training steps stop page-faulting
+  their activations in again; the user's own MALLOC_* settings and VASWANI_KEEP_FREED_MEMORY=0 win.
+- `vaswani_training.lib.cpu_tuning.bound_onednn_caches`: torch's caches of oneDNN computations stay small when every
   training step brings new row counts; the user's own cache settings win."""
 
 import os
@@ -16,13 +16,13 @@ import pytest
 from helpers import ROOT
 
 from vaswani_hf.kernels_vaswani import has_onednn_linear
-from vaswani_training.cpu_tuning import MALLOC_ENV, ONEDNN_CACHE_ENV, bound_onednn_caches
+from vaswani_training.lib.cpu_tuning import MALLOC_ENV, ONEDNN_CACHE_ENV, bound_onednn_caches
 
 MALLOC_PROBE = """
 import resource, sys
 sys.path.insert(0, {root!r})
 import vaswani_hf  # the training commands have imported the model (torch, transformers) when they call it
-from vaswani_training.cpu_tuning import keep_freed_memory
+from vaswani_training.lib.cpu_tuning import keep_freed_memory
 applied = keep_freed_memory()
 import torch
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -36,7 +36,7 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 CACHE_PROBE = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from vaswani_training.cpu_tuning import bound_onednn_caches
+from vaswani_training.lib.cpu_tuning import bound_onednn_caches
 applied = bound_onednn_caches()
 import torch
 def _onednn_linear(x, weight):  # vaswani_hf.kernels_vaswani._onednn_linear's operator, without importing transformers
@@ -93,7 +93,7 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
 def test_malloc_is_left_alone_when_asked_or_not_glibc(monkeypatch):
     import ctypes
 
-    from vaswani_training.cpu_tuning import keep_freed_memory
+    from vaswani_training.lib.cpu_tuning import keep_freed_memory
 
     for name, value in (("VASWANI_KEEP_FREED_MEMORY", "0"), ("MALLOC_ARENA_MAX", "2")):  # the user's choice wins
         with monkeypatch.context() as env:

@@ -479,7 +479,7 @@ def test_train_cli_zero_samples_is_refused_not_read_as_all(tmp_path):
     for flag in ("--max_train_samples", "--max_test_samples", "--max_tokens", "--max_source_length"):
         with pytest.raises(CheckError, match=f"{flag} must be >= 1 \\(leave the flag out for the default\\), got 0"):
             train_on(tmp_path, "--train_file", prefix, "--test_file", prefix, flag, "0")
-    from vaswani_training.prepare import select
+    from vaswani_training.lib.prepare import select
 
     with pytest.raises(CheckError, match=r"take a number of examples >= 1 .*got 0"):  # the library function too
         select(list(range(3)), 0)

@@ -18,7 +18,8 @@ if os.environ.get("VASWANI_REQUIRE_DEV") != "1":
     pytest.importorskip("gradio", reason="the demo page needs gradio: pip install -e '.[demo]'")
     pytest.importorskip("matplotlib", reason="the demo's pictures need matplotlib: pip install -e '.[demo]'")
 
-from vaswani_training.demo import DemoPage, build_demo, launch, load_model, space_files  # noqa: E402
+from vaswani_training.demo import DemoPage, build_demo, launch, load_model  # noqa: E402
+from vaswani_training.lib.space import space_files  # noqa: E402
 
 
 @pytest.fixture
@@ -275,7 +276,7 @@ print("RESULT=" + json.dumps({"text": translation.hypotheses[0].text, "served": 
 def test_the_published_space_runs_from_the_folder_alone(model_folder, tmp_path):
     from helpers import printed_result
 
-    from vaswani_training.publish import write_hub_folder
+    from vaswani_training.lib.publishing import write_hub_folder
 
     folder = write_hub_folder(model_folder, tmp_path / "space", space=True)
     names = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}

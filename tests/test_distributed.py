@@ -228,7 +228,7 @@ def test_no_trainer_resume_continues_exactly(data, tmp_path):
     """With dropout on, across an epoch end: stopping at update 3 (mid-epoch) and resuming to update 8 gives the
     uninterrupted run, bit for bit (model, optimizer, schedule, RNG and the position in the batch order all restored);
     a newer but damaged checkpoint is skipped."""
-    from vaswani_training.checkpoints import checkpoint_problems, resolve_resume_checkpoint
+    from vaswani_training.lib.checkpoints import checkpoint_problems, resolve_resume_checkpoint
     from vaswani_training.train_no_trainer import run
 
     cache = data["root"] / "cache_resume"
@@ -265,8 +265,8 @@ def test_no_trainer_resume_continues_exactly(data, tmp_path):
 
 def test_checkpoint_and_flag_errors_are_clear(tmp_path, monkeypatch):
     from vaswani_hf.checks import CheckError
-    from vaswani_training.checkpoints import resolve_resume_checkpoint
-    from vaswani_training.run import check_distributed
+    from vaswani_training.lib.checkpoints import resolve_resume_checkpoint
+    from vaswani_training.lib.run import check_distributed
     from vaswani_training.train_no_trainer import LoopArguments, check_loop_arguments
 
     def resolve_checkpoint(value, output_dir):

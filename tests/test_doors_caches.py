@@ -269,8 +269,8 @@ def test_a_damaged_cache_of_a_hub_layout_folder_is_named_removed_and_written_aga
 
 
 def get_tokenizer_in(cache_dir: Path):
-    from vaswani_training.arguments import DataArguments, ModelArguments
-    from vaswani_training.prepare import get_tokenizer
+    from vaswani_training.lib.arguments import DataArguments, ModelArguments
+    from vaswani_training.lib.prepare import get_tokenizer
 
     data = datasets.Dataset.from_dict({"translation": [{"de": g, "en": e} for g, e in PAIRS[:40]]})
     return get_tokenizer(ModelArguments(cache_dir=str(cache_dir)), data, DataArguments(), 300)
@@ -400,7 +400,7 @@ def test_a_kill_before_the_rename_leaves_no_entry_a_later_run_loads(tmp_path, ca
     small_bpe.save_pretrained(tmp_path / "bpe")
     killed_before_rename(
         tmp_path,
-        f"import vaswani_training.prepare as p; p.swap_in_folder = killed; t.get_tokenizer_in({str(tmp_path)!r})",
+        f"import vaswani_training.lib.prepare as p; p.swap_in_folder = killed; t.get_tokenizer_in({str(tmp_path)!r})",
         f"t.local_split(__import__('pathlib').Path({str(tmp_path / 'a')!r}))()",
         f"from transformers import AutoTokenizer; raw = t.local_split(__import__('pathlib').Path("
         f"{str(tmp_path / 'b')!r}))(); t.tokenize_dataset(raw, AutoTokenizer.from_pretrained({str(tmp_path / 'bpe')!r}"

@@ -342,7 +342,7 @@ def test_bleu_of_an_unsplittable_language_is_refused_by_name(lang, name, advice)
         with pytest.raises(ValueError, match=f"{name} \\({lang}\\).*{advice}"):
             call()
     with pytest.raises(CheckError, match=f"--target_lang {lang}"):
-        from vaswani_training.arguments import DataArguments
+        from vaswani_training.lib.arguments import DataArguments
 
         DataArguments(source_lang="en", target_lang=lang)
 

@@ -203,7 +203,7 @@ def _average(model, work, root):
 def _train(model, work, root):
     from helpers import TINY_RUN
 
-    from vaswani_training.run import command_cli
+    from vaswani_training.lib.run import command_cli
     from vaswani_training.train import main
 
     prefix = str(root / "data" / "test")
@@ -328,7 +328,7 @@ def test_the_space_checks_its_folder_and_loads_with_the_trust_it_is_given(saved,
     prompt never shows, and refuses a broken folder naming the file, as vaswani-demo does."""
     from helpers import printed_result
 
-    from vaswani_training.publish import write_hub_folder
+    from vaswani_training.lib.publishing import write_hub_folder
 
     folder, root = saved
     space = write_hub_folder(folder, tmp_path / "space", space=True)
@@ -432,9 +432,9 @@ def test_a_local_dataset_folder_is_recorded_and_published_as_local(saved, tmp_pa
 
     from vaswani_hf.checks import weights_fingerprint
     from vaswani_hf.pictures.demo import training_data_note
-    from vaswani_training.arguments import DataArguments
-    from vaswani_training.prepare import data_sources, dataset_label
-    from vaswani_training.publish import card_data_for, write_hub_folder
+    from vaswani_training.lib.arguments import DataArguments
+    from vaswani_training.lib.prepare import data_sources, dataset_label
+    from vaswani_training.lib.publishing import card_data_for, write_hub_folder
 
     folder, root = saved
     local = tmp_path / "private" / "wmt-sample"

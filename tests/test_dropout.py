@@ -1,5 +1,5 @@
-"""Dropout set on a built model (training/dropout.py): the cpu preset's `long_run_dropout`, which a run takes when its
-plan fits enough updates, computes as a model built with it, and a resumed run keeps its checkpoint's choice."""
+"""Dropout set on a built model (training/lib/dropout.py): the cpu preset's `long_run_dropout`, which a run takes when
+its plan fits enough updates, computes as a model built with it, and a resumed run keeps its checkpoint's choice."""
 
 import json
 from contextlib import nullcontext
@@ -12,9 +12,9 @@ from transformers import TrainerControl, TrainerState
 
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.fast_paths_vaswani import training_fast_paths
-from vaswani_training.dropout import LongRunDropout, long_run_dropout, set_dropout
-from vaswani_training.presets import PRESETS
-from vaswani_training.publish import render_model_card
+from vaswani_training.lib.dropout import LongRunDropout, long_run_dropout, set_dropout
+from vaswani_training.lib.presets import PRESETS
+from vaswani_training.lib.publishing import render_model_card
 
 SET = {"dropout": 0.2, "attention_dropout": 0.3, "activation_dropout": 0.25}
 

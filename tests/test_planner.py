@@ -1,4 +1,4 @@
-"""The time-budget planner of the cpu preset (training/planner.py): it measures the first steps, plans the number
+"""The time-budget planner of the cpu preset (training/lib/planner.py): it measures the first steps, plans the number
 of updates that fit the budget of the whole command, ends the schedule there with a cooldown, and stops training."""
 
 import math
@@ -10,7 +10,7 @@ from helpers import tiny_config
 from transformers import TrainerControl, TrainerState
 
 from vaswani_hf.schedule import paper_optimizer_and_schedule
-from vaswani_training.planner import BudgetPlanner, process_start_monotonic
+from vaswani_training.lib.planner import BudgetPlanner, process_start_monotonic
 
 
 class Clock:
@@ -44,7 +44,7 @@ def run(planner, clock, steps, seconds_per_step, lr_scheduler, eval_every=None, 
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    monkeypatch.setattr("vaswani_training.planner.time.monotonic", c)
+    monkeypatch.setattr("vaswani_training.lib.planner.time.monotonic", c)
     return c
 
 
@@ -198,7 +198,7 @@ def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, 
     the logged learning rate falls linearly over the cooldown."""
     import json
 
-    from vaswani_training.presets import PRESETS
+    from vaswani_training.lib.presets import PRESETS
     from vaswani_training.train import main
 
     monkeypatch.setitem(PRESETS["tiny"], "cooldown_fraction", 0.5)
@@ -230,7 +230,7 @@ def test_vaswani_train_plans_prints_and_ends_the_schedule_at_the_plan(tmp_path, 
 def test_native_bf16_follows_the_cpu_flags_and_the_restrictions(monkeypatch, tmp_path, flags, capability, onednn_isa,
                                                                 native):
     """`cpu_has_native_bf16` on any CPU, with /proc/cpuinfo's flags and torch's capability stood in for."""
-    import vaswani_training.precision as precision
+    import vaswani_training.lib.precision as precision
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor : 0\nflags : {flags}\n")
@@ -260,7 +260,7 @@ def test_an_instruction_set_restriction_turns_native_bf16_off():
     import subprocess
     import sys
 
-    code = "from vaswani_training.precision import cpu_has_native_bf16; print(cpu_has_native_bf16())"
+    code = "from vaswani_training.lib.precision import cpu_has_native_bf16; print(cpu_has_native_bf16())"
     env = dict(__import__("os").environ)
     env.pop("ATEN_CPU_CAPABILITY", None), env.pop("ONEDNN_MAX_CPU_ISA", None)
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -272,7 +272,7 @@ def test_an_instruction_set_restriction_turns_native_bf16_off():
 
 
 def _recipe(cpu_bf16: str):
-    from vaswani_training.arguments import RecipeArguments
+    from vaswani_training.lib.arguments import RecipeArguments
 
     return RecipeArguments(cpu_bf16=cpu_bf16)
 
@@ -283,9 +283,9 @@ def _recipe(cpu_bf16: str):
     (0.15, 0.22, False),  # bf16 slower (a Xeon with AVX512-BF16 and no AMX)
 ])
 def test_auto_precision_measures_where_bf16_is_native(monkeypatch, fp32, bf16, chosen):
-    from vaswani_training import precision
-    from vaswani_training.arguments import ModelArguments
-    from vaswani_training.presets import PRESETS
+    from vaswani_training.lib import precision
+    from vaswani_training.lib.arguments import ModelArguments
+    from vaswani_training.lib.presets import PRESETS
 
     measured = []
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
@@ -307,9 +307,9 @@ def test_auto_precision_measures_where_bf16_is_native(monkeypatch, fp32, bf16, c
     ("auto", True, "2", True),  # several processes would each measure and could disagree: native means bf16
 ])
 def test_precision_is_not_measured_where_nothing_is_to_choose(monkeypatch, cpu_bf16, native, world_size, chosen):
-    from vaswani_training import precision
-    from vaswani_training.arguments import ModelArguments
-    from vaswani_training.presets import PRESETS
+    from vaswani_training.lib import precision
+    from vaswani_training.lib.arguments import ModelArguments
+    from vaswani_training.lib.presets import PRESETS
 
     def fail(config):
         raise AssertionError("measured")
@@ -323,9 +323,9 @@ def test_precision_is_not_measured_where_nothing_is_to_choose(monkeypatch, cpu_b
 
 
 def test_precision_probe_uses_the_overridden_widths_and_a_saved_models_config(tmp_path):
-    from vaswani_training.arguments import ModelArguments
-    from vaswani_training.precision import precision_probe_config
-    from vaswani_training.presets import PRESETS
+    from vaswani_training.lib.arguments import ModelArguments
+    from vaswani_training.lib.precision import precision_probe_config
+    from vaswani_training.lib.presets import PRESETS
 
     config = precision_probe_config(ModelArguments(config_overrides="d_model=128,d_ff=512", vocab_size=3000),
                                     PRESETS["cpu"])
@@ -337,7 +337,7 @@ def test_precision_probe_uses_the_overridden_widths_and_a_saved_models_config(tm
 
 def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
     """The real measurement, on tiny widths; with learned positions it stays within their table."""
-    from vaswani_training.precision import time_training_precisions
+    from vaswani_training.lib.precision import time_training_precisions
 
     config = tiny_config(vocab_size=300, encoder_layers=2, decoder_layers=2, num_heads=2, d_ff=64)
     torch.manual_seed(7)
@@ -357,7 +357,7 @@ def test_timing_both_precisions_leaves_the_random_state_and_the_config_alone():
 def test_a_burst_of_load_on_some_bf16_steps_does_not_decide_the_precision(monkeypatch):
     """Three of five bf16 steps slowed by other load (their median, 158 ms, against fp32's 166 ms is under the 1.15x
     margin and would take fp32): the fastest step of each precision counts, 110 ms against 165."""
-    from vaswani_training import precision
+    from vaswani_training.lib import precision
 
     script = iter([0.5, 0.5,  # the untimed first step of each
                    0.165, 0.160, 0.170, 0.158, 0.165, 0.110, 0.168, 0.158, 0.166, 0.112])  # fp32, bf16 alternating
@@ -376,8 +376,8 @@ def test_the_budget_follows_the_cpu_not_the_precision_it_measures(monkeypatch, c
     its own for native bf16 (here one of 18 minutes) gives it to such a CPU whichever precision its measurement picks
     (a Xeon whose fp32 is faster trains in fp32 within it); --cpu_bf16 no, or no native bf16, the other; a GPU, the
     preset's."""
-    from vaswani_training import run
-    from vaswani_training.presets import PRESETS
+    from vaswani_training.lib import run
+    from vaswani_training.lib.presets import PRESETS
 
     monkeypatch.setattr(run, "cpu_has_native_bf16", lambda: native)
     assert run.default_budget_minutes(PRESETS["cpu"], _recipe(cpu_bf16), "cpu") == 26
@@ -393,9 +393,9 @@ def test_the_loop_without_the_planner_stops_in_time_for_the_test_translation(tmp
     CPU's: 0.05 s)."""
     import time
 
-    from vaswani_training import run as scaffold
-    from vaswani_training.arguments import DataArguments, ModelArguments, RecipeArguments
-    from vaswani_training.presets import PRESETS
+    from vaswani_training.lib import run as scaffold
+    from vaswani_training.lib.arguments import DataArguments, ModelArguments, RecipeArguments
+    from vaswani_training.lib.presets import PRESETS
 
     def new_run(preset: str, recipe: RecipeArguments, *, max_steps_given: bool = False):
         return scaffold.new_run(ModelArguments(preset=preset), DataArguments(), recipe, preset=PRESETS[preset],

@@ -36,7 +36,7 @@ from transformers import AutoModelForSeq2SeqLM
 import vaswani_hf
 from vaswani_hf import VaswaniForConditionalGeneration
 from vaswani_hf.checks import CheckError
-from vaswani_training.publish import HUB_CODE_FILES, push_folder, write_hub_folder
+from vaswani_training.lib.publishing import HUB_CODE_FILES, push_folder, write_hub_folder
 from vaswani_training.publish import main as publish_main
 
 HUB_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -461,7 +461,7 @@ def test_the_card_of_a_model_trained_from_scratch_says_so(published, trained):
 
 
 def test_a_hub_base_model_and_dataset_go_into_the_metadata(trained):
-    from vaswani_training.publish import card_data_for
+    from vaswani_training.lib.publishing import card_data_for
 
     metrics = {"dataset": "wmt14", "data": {"kind": "hub", "name": "wmt14", "config": "de-en"},
                "base_model": "someone/vaswani-base", "base_model_local": False, "test_bleu": 20.0}
@@ -502,7 +502,7 @@ def test_the_hub_folder_follows_the_umask(trained, tmp_path, umask):
 
 
 def test_the_template_is_installed_with_the_commands():
-    from vaswani_training.publish import default_template
+    from vaswani_training.lib.publishing import default_template
 
     assert default_template().read_text(encoding="utf-8") == (ROOT / "model_card.md").read_text(encoding="utf-8")
     assert (ROOT / "training" / "model_card.md").is_symlink(), "one template, at the repository root"

@@ -24,7 +24,7 @@ from helpers import ROOT, TINY_RUN, free_port
 from safetensors.torch import load_file
 
 from vaswani_hf.checks import CheckError
-from vaswani_training.checkpoints import checkpoint_problems, checkpoint_step, resolve_resume_checkpoint
+from vaswani_training.lib.checkpoints import checkpoint_problems, checkpoint_step, resolve_resume_checkpoint
 
 DOC = ROOT / "docs" / "reproduce.md"
 TIMEOUT = 600  # seconds; a guard for a busy shared machine, not a timing assertion
@@ -212,7 +212,7 @@ def test_the_evaluation_wrote_the_papers_bleu(recipe):
 
 
 def test_every_training_command_on_the_page_parses():
-    from vaswani_training.presets import resolve_preset
+    from vaswani_training.lib.presets import resolve_preset
     from vaswani_training.train import build_parser
 
     text = DOC.read_text(encoding="utf-8")
@@ -278,7 +278,7 @@ def test_both_training_loops_save_by_the_clock_and_average_those_checkpoints(tmp
 
 
 def test_save_every_minutes_must_be_positive_and_counts_as_saving_for_average_last(tmp_path):
-    from vaswani_training.arguments import RecipeArguments
+    from vaswani_training.lib.arguments import RecipeArguments
     from vaswani_training.train import main as train_main
 
     with pytest.raises(CheckError, match="--save_every_minutes must be a positive number"):

@@ -89,8 +89,8 @@ def test_layer_norm_eps_above_1_is_refused_naming_config_json(model_folder):
 def test_a_damaged_cached_tokenizer_is_trained_again_with_a_warning(tmp_path, caplog):
     import datasets
 
-    from vaswani_training.arguments import DataArguments, ModelArguments
-    from vaswani_training.prepare import get_tokenizer
+    from vaswani_training.lib.arguments import DataArguments, ModelArguments
+    from vaswani_training.lib.prepare import get_tokenizer
 
     data = datasets.Dataset.from_dict({"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."}]})
     model_args = ModelArguments(cache_dir=str(tmp_path))
@@ -107,7 +107,7 @@ def test_a_damaged_cached_tokenizer_is_trained_again_with_a_warning(tmp_path, ca
 
 
 def test_resuming_the_run_folder_picks_its_newest_complete_checkpoint(tiny_run, tmp_path, caplog):
-    from vaswani_training.checkpoints import resolve_resume_checkpoint
+    from vaswani_training.lib.checkpoints import resolve_resume_checkpoint
 
     source = copy_run(tiny_run, tmp_path)
     killed = source / "checkpoint-4"  # a kill while Trainer saved it: its optimizer state cut short
@@ -133,7 +133,7 @@ def test_resuming_from_another_starting_model_is_refused_before_training(tiny_ru
 
 
 def test_a_resumed_runs_earlier_test_metrics_are_moved_aside(tmp_path):
-    from vaswani_training.output_dir import retire_previous_results
+    from vaswani_training.lib.output_dir import retire_previous_results
 
     files = {"metrics.json": '{"train_steps": 3}', "test_translations.txt": "A dog.\n",
              "test_metrics.json": '{"test_bleu": 1.0}'}
@@ -292,7 +292,7 @@ HOLD_LOCK = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, sys.argv[2])
-    from vaswani_training.output_dir import RunLock
+    from vaswani_training.lib.output_dir import RunLock
 
     lock = RunLock(sys.argv[1]).acquire()  # held while the process lives
     print("held", flush=True)
@@ -302,7 +302,7 @@ HOLD_LOCK = textwrap.dedent(
 
 
 def test_the_run_lock_is_released_by_the_kernel_when_its_holder_is_killed(tmp_path):
-    from vaswani_training.output_dir import RunLock
+    from vaswani_training.lib.output_dir import RunLock
 
     folder = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder), str(ROOT)], stdout=subprocess.PIPE,
@@ -329,7 +329,7 @@ def test_sigint_during_validation_cuts_the_pass_and_the_run_ends_as_usual(tmp_pa
     saved, and the run ends as usual: model, test translations and metrics.json, no `stopped_by`."""
     from transformers import Seq2SeqTrainer
 
-    from vaswani_training.checkpoints import checkpoint_problems
+    from vaswani_training.lib.checkpoints import checkpoint_problems
 
     original = Seq2SeqTrainer.prediction_step
     lengths = []
@@ -357,7 +357,7 @@ def test_sigterm_skips_averaging_and_the_upload(tmp_path, train_cache, monkeypat
     import huggingface_hub.constants
     from hub_standin import StandInHub
 
-    from vaswani_training.checkpoints import checkpoint_problems
+    from vaswani_training.lib.checkpoints import checkpoint_problems
     from vaswani_training.train import PaperTrainer
 
     original = PaperTrainer.training_step

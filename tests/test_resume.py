@@ -27,7 +27,7 @@ from helpers import ROOT
 from safetensors.torch import load_file
 
 from vaswani_hf.checks import CheckError
-from vaswani_training.checkpoints import checkpoint_problems, resolve_resume_checkpoint
+from vaswani_training.lib.checkpoints import checkpoint_problems, resolve_resume_checkpoint
 
 TRAIN = ROOT / "training" / "train.py"
 MAX_STEPS = 24

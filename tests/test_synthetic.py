@@ -68,8 +68,8 @@ def test_load_dataset_reads_the_folder_as_the_three_splits_of_wmt14(corpus):
 
 
 def test_the_training_commands_read_it_as_a_dataset_name(corpus):
-    from vaswani_training.arguments import DataArguments
-    from vaswani_training.prepare import load_raw_datasets
+    from vaswani_training.lib.arguments import DataArguments
+    from vaswani_training.lib.prepare import load_raw_datasets
 
     raw = load_raw_datasets(DataArguments(dataset_name=str(corpus.folder), source_lang="en", target_lang="de"))
     assert {split: len(raw[split]) for split in raw} == {"train": 300, "validation": 40, "test": 50}

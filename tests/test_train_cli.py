@@ -41,7 +41,7 @@ from transformers import AutoModelForSeq2SeqLM
 
 from vaswani_hf.checks import CheckError, read_json
 from vaswani_hf.decoding.translate import translate_sentences
-from vaswani_training.output_dir import RunLock
+from vaswani_training.lib.output_dir import RunLock
 
 # End to end -----------------------------------------------------------------------------------------------------------
 
@@ -136,8 +136,8 @@ def test_second_run_reuses_cached_tokenizer(trained, tmp_path, caplog):
 
 
 def test_bad_preset_and_override_errors_are_clear():
-    from vaswani_training.arguments import ModelArguments
-    from vaswani_training.presets import parse_overrides, resolve_preset
+    from vaswani_training.lib.arguments import ModelArguments
+    from vaswani_training.lib.presets import parse_overrides, resolve_preset
 
     with pytest.raises(ValueError, match="unknown; choose one of"):
         resolve_preset(ModelArguments(preset="huge"))
@@ -331,7 +331,7 @@ def test_the_dashed_max_steps_overrides_the_preset(tiny_run):
 
 
 def test_given_flags_counts_every_spelling():
-    from vaswani_training.run import given_flags
+    from vaswani_training.lib.run import given_flags
     from vaswani_training.train import build_parser
 
     parser = build_parser()
@@ -355,7 +355,7 @@ def test_a_truthy_string_for_a_bool_override_is_refused(tmp_path, train_cache):
 
 
 def test_average_last_is_checked_before_training(tmp_path, train_cache):
-    from vaswani_training.checkpoints import check_average_last
+    from vaswani_training.lib.checkpoints import check_average_last
 
     with pytest.raises(CheckError, match="--save_total_limit 2 deletes all but 2"):
         train_cli(tmp_path / "a", train_cache, "--max_steps", "4", "--save_steps", "1", "--average_last", "3",
@@ -465,7 +465,7 @@ def test_resuming_with_other_settings_is_refused_before_training(tiny_run, tmp_p
 
 
 def test_resuming_a_checkpoint_without_settings_compares_the_models_shape(tiny_run, tmp_path, train_cache):
-    from vaswani_training.checkpoints import RUN_SETTINGS
+    from vaswani_training.lib.checkpoints import RUN_SETTINGS
 
     source = copy_run(tiny_run, tmp_path)
     (source / "checkpoint-3" / RUN_SETTINGS).unlink()
@@ -476,10 +476,10 @@ def test_resuming_a_checkpoint_without_settings_compares_the_models_shape(tiny_r
 def test_run_settings_name_a_hub_model_as_given_and_a_local_folder_by_its_absolute_path(tmp_path, monkeypatch):
     """What a checkpoint's vaswani_run.json records of the model and tokenizer a run starts from: the same local folder
     given from another working directory compares equal, and a Hub id is kept, so that another one is refused."""
-    from vaswani_training.arguments import DataArguments, ModelArguments, RecipeArguments
-    from vaswani_training.checkpoints import run_settings
-    from vaswani_training.presets import PRESETS
-    from vaswani_training.run import new_run
+    from vaswani_training.lib.arguments import DataArguments, ModelArguments, RecipeArguments
+    from vaswani_training.lib.checkpoints import run_settings
+    from vaswani_training.lib.presets import PRESETS
+    from vaswani_training.lib.run import new_run
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bpe").mkdir()
@@ -506,7 +506,7 @@ def test_a_resumed_run_stopped_in_its_test_translation_leaves_no_old_metrics_bes
     """A resumed run writes its model, then is killed while it translates the test set: the earlier metrics and
     translations were moved aside first, so that publishing shows no BLEU for the new weights; put back, they are
     refused."""
-    import vaswani_training.evaluate_bleu
+    import vaswani_training.lib.scoring
     from vaswani_training.publish import main as publish_main
 
     source = copy_run(tiny_run, tmp_path)
@@ -516,7 +516,7 @@ def test_a_resumed_run_stopped_in_its_test_translation_leaves_no_old_metrics_bes
     def killed(*args, **kwargs):
         raise KeyboardInterrupt("killed during the test translation")
 
-    monkeypatch.setattr(vaswani_training.evaluate_bleu, "evaluate_test_set", killed)
+    monkeypatch.setattr(vaswani_training.lib.scoring, "evaluate_test_set", killed)
     with pytest.raises(KeyboardInterrupt):
         train_cli(source, train_cache, "--max_steps", "4", "--save_steps", "1", "--resume_from_checkpoint", "last")
     assert (source / "checkpoint-4").is_dir()
@@ -554,7 +554,7 @@ def test_sigterm_during_validation_stops_within_a_decoding_step(tmp_path, train_
     scheduler's SIGKILL follows), with metrics.json saying so."""
     from transformers import Seq2SeqTrainer
 
-    from vaswani_training.checkpoints import checkpoint_problems
+    from vaswani_training.lib.checkpoints import checkpoint_problems
 
     original = Seq2SeqTrainer.prediction_step
     lengths = []
@@ -594,8 +594,8 @@ def test_the_hub_token_is_in_no_file_of_a_run_or_a_published_folder(tiny_run, tm
 def test_a_damaged_cached_tokenizer_is_trained_again(tmp_path):
     import datasets
 
-    from vaswani_training.arguments import DataArguments, ModelArguments
-    from vaswani_training.prepare import get_tokenizer
+    from vaswani_training.lib.arguments import DataArguments, ModelArguments
+    from vaswani_training.lib.prepare import get_tokenizer
 
     data = datasets.Dataset.from_dict({"translation": [{"de": "Ein Hund läuft.", "en": "A dog runs."},
                                                        {"de": "Eine Katze.", "en": "A cat."}]})
@@ -692,8 +692,8 @@ def test_streaming_is_refused_without_max_steps_and_by_the_no_trainer_loop(tmp_p
 def test_drop_long_pairs_leaves_out_what_truncation_would_cut(tmp_path):
     """--drop_long_pairs: training pairs over the length limits are left out, not truncated; validation and test are
     truncated as always."""
-    from vaswani_training.arguments import DataArguments, ModelArguments
-    from vaswani_training.prepare import prepare_data
+    from vaswani_training.lib.arguments import DataArguments, ModelArguments
+    from vaswani_training.lib.prepare import prepare_data
 
     german = ["ein Hund", "ein sehr sehr sehr sehr sehr sehr sehr sehr sehr sehr langer Satz", "eine Katze"]
     english = ["a dog", "a short one", "a cat"]
