@@ -2,7 +2,7 @@
 
 - every `generate()` call (`VaswaniGenerationMixin`) runs inside `inference_fast_paths`: attention "sdpa" runs as
   "vaswani_sdpa" (a sentence's beams against one encoder row), and on a CPU in fp32 the model's linear layers become
-  `OneDNNLinear`s with weights prepacked in oneDNN's layout, kept for the next call while the weights are unchanged;
+  `OneDNNLinear`s with weights packed in oneDNN's layout at the start of the call;
 - the training commands (their trainer and their loop) run inside `training_fast_paths` for the whole run: the
   model's `forward` trains on the label-smoothed loss of §5.4 (`training_forward`: on a CPU on the unpadded tokens of
   the batch and with the fused output projection and loss), and on a CPU dropout becomes `CPUDropout`, the linears
@@ -21,7 +21,6 @@ It imports only torch, transformers and the model's other files: transformers co
 import contextlib
 import functools
 import threading
-import weakref
 
 import torch
 from torch import nn
@@ -34,7 +33,6 @@ logger = logging.get_logger(__name__)
 
 _LOCK = threading.Lock()
 _INSTALLED: dict[tuple[int, str], list] = {}  # (id(model), what) -> [users, undo]
-_PACKED: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()  # weights packed for inference
 
 
 @contextlib.contextmanager
@@ -55,6 +53,22 @@ def _installed(model: nn.Module, what: str, install):
             if entry[0] == 0:
                 del _INSTALLED[key]
                 entry[1]()
+
+
+def _undo_all(*steps) -> None:
+    """Run each undo step; one that an interrupt (Ctrl-C) stops part of the way is run again (every step is
+    idempotent: classes set, attributes removed), and the interrupt is raised once all have run, so that the model is
+    left as it was whatever arrives when."""
+    error = None
+    for step in steps:
+        for _ in range(3):  # a step that fails three times is not being interrupted: its error is raised
+            try:
+                step()
+                break
+            except BaseException as caught:  # noqa: BLE001 - re-raised below, once the model is whole again
+                error = error or caught
+    if error is not None:
+        raise error
 
 
 def _plain(module: nn.Module) -> bool:
@@ -87,34 +101,18 @@ def _attention(model: nn.Module):
     config._attn_implementation = "vaswani_sdpa"
 
     def undo():
-        config._attn_implementation = "sdpa"
+        _undo_all(lambda: setattr(config, "_attn_implementation", "sdpa"))
     return undo
 
 
-def _packed(module: nn.Linear, layers: list[nn.Linear], keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights of `layers` stacked (one layer: its own) in oneDNN's layout, and their biases stacked; with `keep`,
-    kept under `module` and packed again only when a weight changed: its identity, storage, version counter and a sum
-    over a strided sample of its values (torch's fused Adam writes parameters without advancing the version counter)."""
-    def pack():
-        weight = torch.cat([layer.weight.detach() for layer in layers])
-        biases = [layer.bias for layer in layers]
-        bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 64), bias if len(layers) > 1 else module.bias
-
-    if not keep:
-        _PACKED.pop(module, None)
-        return pack()
-    def fingerprint(tensor: torch.Tensor | None) -> tuple | None:
-        if tensor is None:
-            return None
-        sample = float(tensor.detach().reshape(-1)[::97].sum(dtype=torch.float64))  # ~1 % of it, every row touched
-        return id(tensor), tensor.data_ptr(), tensor._version, tuple(tensor.shape), sample
-
-    state = tuple((fingerprint(layer.weight), fingerprint(layer.bias)) for layer in layers)
-    kept = _PACKED.get(module)
-    if kept is None or kept[0] != state:
-        kept = _PACKED[module] = (state, pack())
-    return kept[1]
+def _packed(module: nn.Linear, layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of `layers` stacked (one layer: its own) in oneDNN's layout, and their biases stacked; packed anew
+    for every call, from the weights as they are (no check that a kept copy is still right could be exact for less
+    than the packing costs: a write through `.data`, or torch's fused Adam, leaves the version counter as it was)."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    biases = [layer.bias for layer in layers]
+    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64), bias if len(layers) > 1 else module.bias
 
 
 def _stacks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, list[nn.Linear]]:
@@ -133,14 +131,13 @@ def _stacks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, list[
 
 
 @contextlib.contextmanager
-def inference_fast_paths(model: nn.Module, packed_linears: bool = True, keep_packed: bool = True):
+def inference_fast_paths(model: nn.Module, packed_linears: bool = True):
     """`generate()`'s fast paths for one call: attention "sdpa" runs as "vaswani_sdpa", and, with `packed_linears`,
     for an fp32 model on a CPU without autocast, the model's linears multiply with oneDNN-packed weights
-    (`OneDNNLinear`), the input projections that read one input stacked into one product. Packing copies each linear
-    weight once (as much memory again); the copies are kept for the next call while the weights are unchanged
-    (`keep_packed=False`: packed at every call, not kept). Undone on exit."""
+    (`OneDNNLinear`), the input projections that read one input stacked into one product. The weights are packed at
+    the start of the call from the weights as they are (a copy of each, as much memory again, freed at its end).
+    Undone on exit."""
     def install():
-        undo_attention = _attention(model)
         plain, swapped = own_modules(model, nn.Linear), own_modules(model, OneDNNLinear)  # the latter: in training
         linears = plain + swapped
         wanted = (packed_linears and has_onednn_linear() and linears and not torch.is_autocast_enabled("cpu")
@@ -149,28 +146,33 @@ def inference_fast_paths(model: nn.Module, packed_linears: bool = True, keep_pac
         following = {layer for group in stacks.values() for layer in group[1:]}  # computed by their stack
         alone = [module for module in linears if module not in stacks and module not in following]
         try:
-            packed = {module: _packed(module, [module], keep_packed) for module in alone} if wanted else {}
-            packed.update({first: _packed(first, group, keep_packed) for first, group in stacks.items()})
+            packed = {module: _packed(module, [module]) for module in alone} if wanted else {}
+            packed.update({first: _packed(first, group) for first, group in stacks.items()})
         except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
             logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
             packed, stacks = {}, {}
-        if packed:
-            _swap(plain, OneDNNLinear)
-            for module, (weight, bias) in packed.items():
-                if module in stacks:
-                    module.stacked = (weight, bias, stacks[module][1:])
-                else:
-                    module.packed_weight = weight
 
         def undo():
-            undo_attention()
-            for module in packed:
-                module.__dict__.pop("packed_weight", None)
-                module.__dict__.pop("stacked", None)
-            _swap(plain if packed else [], nn.Linear)
+            def unpack():
+                for module in packed:
+                    module.__dict__.pop("packed_weight", None)
+                    module.__dict__.pop("stacked", None)
+            _undo_all(unpack, lambda: _swap(plain if packed else [], nn.Linear))
+
+        try:  # nothing is changed before this point; an interrupt from here on is undone before it propagates
+            if packed:
+                _swap(plain, OneDNNLinear)
+                for module, (weight, bias) in packed.items():
+                    if module in stacks:
+                        module.stacked = (weight, bias, stacks[module][1:])
+                    else:
+                        module.packed_weight = weight
+        except BaseException:
+            undo()
+            raise
         return undo
 
-    with _installed(model, "inference", install):
+    with _installed(model, "attention", lambda: _attention(model)), _installed(model, "inference", install):
         yield
 
 
@@ -236,19 +238,27 @@ def training_fast_paths(model: nn.Module, label_smoothing: float = 0.1):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def install():
-        base.forward = training_forward(base, label_smoothing)
-        swapped, undo_attention = [], lambda: None
-        if next(base.parameters()).device.type == "cpu":
-            undo_attention = _attention(base)
-            swapped = [(_swap(own_modules(base, nn.Dropout), CPUDropout), nn.Dropout),
-                       (_swap(own_modules(base, nn.Linear), OneDNNLinear), nn.Linear)]
+        swapped = []
 
         def undo():
-            del base.forward
-            undo_attention()
-            for modules, cls in swapped:
-                _swap(modules, cls)
+            _undo_all(lambda: base.__dict__.pop("forward", None),
+                      *(lambda modules=modules, cls=cls: _swap(modules, cls) for modules, cls in swapped))
+
+        try:  # an interrupt part of the way is undone before it propagates
+            base.forward = training_forward(base, label_smoothing)
+            if next(base.parameters()).device.type == "cpu":
+                for kind, cls in ((nn.Dropout, CPUDropout), (nn.Linear, OneDNNLinear)):
+                    modules = own_modules(base, kind)
+                    swapped.append((modules, kind))
+                    _swap(modules, cls)
+        except BaseException:
+            undo()
+            raise
         return undo
 
-    with _installed(base, "training", install):
+    # On a CPU attention runs as "vaswani_sdpa": one setting of the model's config, shared with generate()'s
+    # installation and undone by the last of them to exit, whichever thread that is
+    on_cpu = next(base.parameters()).device.type == "cpu"
+    with _installed(base, "attention", lambda: _attention(base)) if on_cpu else contextlib.nullcontext(), \
+            _installed(base, "training", install):
         yield

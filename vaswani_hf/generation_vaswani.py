@@ -336,7 +336,6 @@ class VaswaniGenerationMixin(GenerationMixin):
     """
 
     use_cpu_packed_linears: bool = True  # see fast_paths_vaswani.inference_fast_paths
-    keep_packed_cpu_linears: bool = True  # see fast_paths_vaswani.inference_fast_paths
     skip_finished_sentences: bool | None = None  # see _beam_search(): None = on a CPU only
 
     @staticmethod
@@ -380,12 +379,20 @@ class VaswaniGenerationMixin(GenerationMixin):
         check_generation_values({name: getattr(config, name, None) for name in GENERATION_FIELDS if name not in kwargs},
                                 "generate(): the generation config (generation_config)")
         style = length_penalty_style(kwargs, config)
-        alpha = kwargs.get("length_penalty", getattr(config, "length_penalty", None))
-        if alpha is not None:  # an integer alpha makes transformers' |Y|**alpha a Python int, which overflows a tensor
+        given = kwargs.get("length_penalty")
+        alpha = getattr(config, "length_penalty", None)
+        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1))
+        if given is not None:  # an integer alpha makes transformers' |Y|**alpha a Python int, which overflows a tensor
+            kwargs["length_penalty"] = float(given)
+        elif "length_penalty" not in kwargs and beams == 1 and alpha not in (None, 1.0):
+            # greedy search has no length penalty: the folder's alpha (chosen for its beam search) is not passed on,
+            # so that transformers does not warn that a flag of the call is ignored
+            kwargs["length_penalty"] = 1.0
+        elif "length_penalty" not in kwargs and isinstance(alpha, int) and not isinstance(alpha, bool):
             kwargs["length_penalty"] = float(alpha)
         token = _LENGTH_PENALTY_STYLE.set(style)
         try:
-            with inference_fast_paths(self, self.use_cpu_packed_linears, self.keep_packed_cpu_linears):
+            with inference_fast_paths(self, self.use_cpu_packed_linears):
                 outputs = super().generate(*args, **kwargs)
         finally:
             _LENGTH_PENALTY_STYLE.reset(token)
