@@ -47,10 +47,13 @@ if str(ROOT) not in sys.path:
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration  # noqa: E402
+from vaswani_hf.decoding.translate import map_batches  # noqa: E402
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
-ENGINES = ("ours", "torch_int8", "ct2_float32", "ct2_int8")
+# "ours_side_by_side": our generate() on `threads` batches at a time, one torch thread each (`map_batches`, what
+# translate_sentences does on a CPU); "ct2_float32_side_by_side": CTranslate2's own equivalent (inter_threads)
+ENGINES = ("ours", "ours_side_by_side", "torch_int8", "ct2_float32", "ct2_float32_side_by_side", "ct2_int8")
 PRESETS = {
     "base": dict(d_model=512, encoder_layers=6, decoder_layers=6, num_heads=8, d_ff=2048),
     "big": dict(d_model=1024, encoder_layers=6, decoder_layers=6, num_heads=16, d_ff=4096),
@@ -120,11 +123,13 @@ def bench_ct2(
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(Path(tmp) / "model")
         convert_to_ct2(Path(tmp) / "model", Path(tmp) / "ct2", vocabulary=vocabulary)
-        translators = {name: ctranslate2.Translator(str(Path(tmp) / "ct2"), device="cpu", intra_threads=threads,
-                                                    inter_threads=1, compute_type=name.split("_")[1])
-                       for name in engines if name.startswith("ct2_")}
+        translators = {name: ctranslate2.Translator(
+            str(Path(tmp) / "ct2"), device="cpu", compute_type=name.split("_")[1],
+            **(dict(intra_threads=1, inter_threads=threads) if name.endswith("side_by_side") else
+               dict(intra_threads=threads, inter_threads=1)))
+            for name in engines if name.startswith("ct2_")}
 
-    models = {"ours": model}
+    models = {"ours": model, "ours_side_by_side": model}
     if "torch_int8" in engines:
         with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao; it still works
             warnings.simplefilter("ignore")
@@ -133,27 +138,37 @@ def bench_ct2(
     outputs: dict[str, list] = {}
 
     def run_torch(name):
-        def run():
-            results = []
+        def one_batch(batch):
+            ids, mask = batch
             with torch.inference_mode():
-                for ids, mask in tensor_batches:
-                    limit = new_tokens if new_tokens is not None else ids.shape[1] + 50
-                    extra = {"min_new_tokens": new_tokens} if new_tokens is not None else {}
-                    out = models[name].generate(input_ids=ids, attention_mask=mask, num_beams=num_beams,
-                                                length_penalty=length_penalty, early_stopping=True,
-                                                max_new_tokens=limit, **extra)
-                    for row in out.tolist():
-                        words = [vocabulary[t] for t in row[1:] if t not in (0, 2)]
-                        results.append(words)
-            outputs[name] = results
+                limit = new_tokens if new_tokens is not None else ids.shape[1] + 50
+                extra = {"min_new_tokens": new_tokens} if new_tokens is not None else {}
+                out = models[name].generate(input_ids=ids, attention_mask=mask, num_beams=num_beams,
+                                            length_penalty=length_penalty, early_stopping=True,
+                                            max_new_tokens=limit, **extra)
+            return [[vocabulary[t] for t in row[1:] if t not in (0, 2)] for row in out.tolist()]
+
+        def run():
+            workers = threads if name.endswith("side_by_side") else 1
+            outputs[name] = [words for batch in map_batches(one_batch, tensor_batches, torch.device("cpu"), workers)
+                             for words in batch]
         return run
 
     def run_ct2(name):
         def run():
+            translator = translators[name]
+            if name.endswith("side_by_side"):  # every batch at once; CTranslate2 runs inter_threads of them at a time
+                limit = new_tokens if new_tokens is not None else max(len(t) for b in token_batches for t in b) + 50
+                out = translator.translate_batch(
+                    [t for b in token_batches for t in b], max_batch_size=batch_size, beam_size=num_beams,
+                    length_penalty=length_penalty, return_end_token=True, max_decoding_length=limit,
+                    min_decoding_length=new_tokens or 1)
+                outputs[name] = [[t for t in r.hypotheses[0] if t != "</s>"] for r in out]
+                return
             results = []
             for tokens in token_batches:
                 limit = new_tokens if new_tokens is not None else max(map(len, tokens)) + 50
-                out = translators[name].translate_batch(
+                out = translator.translate_batch(
                     tokens, beam_size=num_beams, length_penalty=length_penalty, return_end_token=True,
                     max_decoding_length=limit, min_decoding_length=new_tokens or 1)
                 results += [[t for t in r.hypotheses[0] if t != "</s>"] for r in out]
@@ -198,11 +213,11 @@ def print_report(results: dict) -> None:
     print(f"{results['sentences']} sentences, batch {results['batch_size']}, beam {results['num_beams']}, "
           f"{results['threads']} threads, {results['output_tokens']} output tokens "
           f"(CTranslate2 {results['ctranslate2_version']})")
-    print(f"{'engine':<14}{'sent/s':>10}{'vs ours':>10}{'same output':>13}")
+    print(f"{'engine':<26}{'sent/s':>10}{'vs ours':>10}{'same output':>13}")
     for name, rate in results["sentences_per_second"].items():
         ratio = results["ratio_to_ours"].get(name)
         agree = results["agreement_with_ours"].get(name)
-        print(f"{name:<14}{rate:>10.2f}{(f'{ratio:.2f}x' if ratio else ''):>10}"
+        print(f"{name:<26}{rate:>10.2f}{(f'{ratio:.2f}x' if ratio else ''):>10}"
               f"{(f'{agree:.0%}' if agree is not None else ''):>13}")
     if results.get("torch_int8_to_ct2_int8") is not None:
         print(f"torch int8 / CT2 int8: {results['torch_int8_to_ct2_int8']:.2f}x")

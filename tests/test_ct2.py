@@ -265,11 +265,13 @@ def test_speed_benchmark_runs_and_agrees(trained):
     model, _ = trained
     ids, _ = copy_sources(seed=1, batch=6)
     inputs = [row[row.ne(PAD)].tolist() for row in ids]
-    results = bench.bench_ct2(model, inputs=inputs, batch_size=4, num_beams=4, repetitions=1, threads=1)
-    assert set(results["sentences_per_second"]) == {"ours", "torch_int8", "ct2_float32", "ct2_int8"}
+    results = bench.bench_ct2(model, inputs=inputs, batch_size=2, num_beams=4, repetitions=1, threads=2)
+    assert set(results["sentences_per_second"]) == {"ours", "ours_side_by_side", "torch_int8", "ct2_float32",
+                                                    "ct2_float32_side_by_side", "ct2_int8"}
     assert all(rate > 0 for rate in results["sentences_per_second"].values())
     assert results["ratio_to_ours"]["ours"] == 1.0
-    assert results["agreement_with_ours"]["ct2_float32"] == 1.0  # same outputs, so the same work is timed
+    for name in ("ct2_float32", "ct2_float32_side_by_side", "ours_side_by_side"):  # the same work is timed
+        assert results["agreement_with_ours"][name] == 1.0, name
     assert len(results["runs"]["ct2_int8"]) == 1
 
 

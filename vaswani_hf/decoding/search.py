@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .paper import LENGTH_PENALTY_STYLES, beam_search_hypotheses
+from .translate import map_batches
 
 # The alphas tried per style: the paper's 0.6 first, then longer outputs (the |Y|^alpha and GNMT penalties both grow
 # with alpha; above ~2 a beam of 4 has no longer finished hypothesis left to pick).
@@ -68,17 +69,21 @@ def length_penalty_search(model, tokenizer, sources: Sequence[str], references: 
     encoded = tokenizer(sources)["input_ids"]
     order = sorted(range(len(sources)), key=lambda i: len(encoded[i]))
     picks: dict[tuple[str, float], list[str | None]] = {(s, a): [None] * len(sources) for s in styles for a in alphas}
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
-        padded = tokenizer.pad({"input_ids": [encoded[i] for i in rows]}, return_tensors="pt")
-        batch = {name: padded[name].to(device) for name in ("input_ids", "attention_mask")}
-        hypotheses = beam_search_hypotheses(model, batch["input_ids"], batch["attention_mask"], num_beams=num_beams,
-                                            max_len_b=max_len_b)
-        texts = [[t.strip() for t in tokenizer.batch_decode(hypotheses.sequences[:, k], skip_special_tokens=True)]
-                 for k in range(num_beams)]
+
+    def search(rows: list[int]):
+        with torch.inference_mode():  # per thread (`map_batches` may decode batches side by side)
+            padded = tokenizer.pad({"input_ids": [encoded[i] for i in rows]}, return_tensors="pt")
+            batch = {name: padded[name].to(device) for name in ("input_ids", "attention_mask")}
+            hypotheses = beam_search_hypotheses(model, batch["input_ids"], batch["attention_mask"],
+                                                num_beams=num_beams, max_len_b=max_len_b)
+            texts = [[t.strip() for t in tokenizer.batch_decode(hypotheses.sequences[:, k], skip_special_tokens=True)]
+                     for k in range(num_beams)]
+            return texts, {key: hypotheses.best(key[1], key[0]).tolist() for key in picks}
+
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    for rows, (texts, best) in zip(batches, map_batches(search, batches, device), strict=True):
         for key, out in picks.items():
-            best = hypotheses.best(key[1], key[0]).tolist()
-            for position, (row, k) in enumerate(zip(rows, best)):
+            for position, (row, k) in enumerate(zip(rows, best[key])):
                 out[row] = texts[k][position]
     results = []
     for (style, alpha), hyps in picks.items():
