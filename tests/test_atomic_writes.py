@@ -119,6 +119,8 @@ CHECKED_WRITES = {
     ("training/lib/output_dir.py", "write_json_atomic.write", "dump"): "the atomic helper",
     ("training/lib/output_dir.py", "write_lines_atomic", "writelines"): "the atomic helper",
     ("training/lib/prepare.py", "get_tokenizer", "save_pretrained"): "into a mkdtemp folder, then swap_in_folder",
+    ("vaswani_hf/decoding/ct2.py", "convert_to_ct2", "write_text"): "decoding.json, into the staging folder, then "
+                                                                    "swap_in_folder",
     ("vaswani_hf/data/caches.py", "write_manifest", "write_text"): "into the same mkdtemp folder, last, before it is "
                                                                     "renamed into the cache",
     ("training/lib/publishing.py", "write_hub_folder", "save_pretrained"): "into a mkdtemp folder, then os.replace",

@@ -10,6 +10,9 @@ Then translate with CTranslate2 directly:
     source = tokenizer.convert_ids_to_tokens(tokenizer("Ein Hund läuft.").input_ids)   # ends with </s>
     result = translator.translate_batch([source], beam_size=4, length_penalty=0.6, return_end_token=True)
 
+with the beam and length penalty of the folder's `decoding.json` (what the model folder chose on validation, or for a
+folder that chose the paper's GNMT penalty, which CTranslate2 has not, the nearest setting in transformers' form);
+
 or with `vaswani_hf.decoding.ct2_translate(translator, tokenizer, sentences)`.
 """
 
@@ -34,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Rows of the converted model's sinusoidal position table, i.e. the longest source or "
                              "output (default: the model's max_position_embeddings); refused for learned positions, "
                              "whose table the weights fix.")
+    parser.add_argument("--length_penalty", type=float, default=None,
+                        help="For a model folder that chose the paper's GNMT length penalty, which CTranslate2 has "
+                             "not: the alpha of transformers' form (score / |Y|^alpha) to convert with (default: the "
+                             "best such setting in the folder's validation scores, metrics.json).")
     parser.add_argument("--force", action="store_true", help="Replace --output_dir if it exists.")
     return parser
 
@@ -50,10 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {error}") from None
     try:
         path = convert_to_ct2(args.model_dir, args.output_dir, quantization=args.quantization,
-                              max_positions=args.max_positions, force=args.force)
+                              max_positions=args.max_positions, force=args.force, length_penalty=args.length_penalty)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as error:
         raise SystemExit(f"error: {error}") from None
-    print(f"Converted {args.model_dir} to {path} ({args.quantization or 'float32'}).")
+    import json
+
+    from vaswani_hf.decoding.ct2 import DECODING_FILE
+
+    decoding = json.loads((path / DECODING_FILE).read_text(encoding="utf-8"))
+    print(f"Converted {args.model_dir} to {path} ({args.quantization or 'float32'}). Translate with {decoding['note']} "
+          f"(written to {path / DECODING_FILE}).")
     return 0
 
 

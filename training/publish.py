@@ -11,8 +11,8 @@ The folder holds what `AutoModelForSeq2SeqLM.from_pretrained(repo, trust_remote_
 
 - `model.safetensors` (the embedding shared by encoder, decoder and output projection stored once, §3.4),
   `config.json` with the `auto_map` that points the Auto classes at the code below, `generation_config.json`
-  (beam 4, length penalty 0.6, §6.1; `generate()` applies it as transformers' |Y|^0.6, not as the paper's GNMT
-  penalty);
+  (the model folder's: the beam, the length penalty alpha and its form that the run chose on validation, §6.1,
+  which `generate()` applies; a model that chose nothing has beam 4 and 0.6 in transformers' form, |Y|^0.6);
 - the seven model code files (`HUB_CODE_FILES`: configuration, modeling, generation, loading, inputs, kernels and
   fast paths): the only code, importing nothing but torch, transformers, safetensors and each other;
 - `tokenizer.json` and `tokenizer_config.json`: the joint BPE as a plain fast tokenizer (no tokenizer code);

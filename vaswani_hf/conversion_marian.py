@@ -230,22 +230,37 @@ def _position_keys(model: nn.Module) -> tuple[str, ...]:
     return tuple(name for name in model.state_dict() if "embed_positions" in name)
 
 
-def to_marian(model: VaswaniForConditionalGeneration) -> MarianMTModel:
+def to_marian(model: VaswaniForConditionalGeneration, length_penalty: float | None = None) -> MarianMTModel:
     """A `MarianMTModel` that computes what `model` computes, with every residual-stream dimension permuted by
     `marian_permutation(d_model)` (see the module docstring; §3.5).
 
     The Marian model has `model`'s dtype, device and train/eval mode, zero `final_logits_bias`, Marian's own positional
     table (the permuted §3.5 table), and a copy of `model.generation_config` (beam 4 and length penalty 0.6 of §6.1
-    unless changed), so that `generate()` without arguments decodes alike on both. Its hidden states are ours with
-    the dimensions in Marian's order (`ours[..., P]`); its logits are ours.
+    unless changed), so that `generate()` without arguments decodes alike on both. MarianMTModel has only
+    transformers' length penalty (score / |Y|^alpha): a model whose generation config chose the paper's GNMT form
+    (`length_penalty_style="gnmt"`) is converted only with `length_penalty` given, the alpha of transformers' form
+    its copy then holds (which decodes differently from the GNMT setting). Its hidden states are ours with the
+    dimensions in Marian's order (`ours[..., P]`); its logits are ours.
 
     Raises:
         TypeError: `model` is not a `VaswaniForConditionalGeneration`.
         ValueError: its config cannot be mapped
-            (`to_marian_config`), or it holds parameters the mapping does not know (an adapter, a pre-LN final norm).
+            (`to_marian_config`), or it holds parameters the mapping does not know (an adapter, a pre-LN final norm);
+            a GNMT length penalty in its generation config and no `length_penalty`.
     """
     if not isinstance(model, VaswaniForConditionalGeneration):
         raise TypeError(f"to_marian: expected a VaswaniForConditionalGeneration, got {type(model).__name__}.")
+    generation = copy.deepcopy(model.generation_config)
+    style = getattr(generation, "length_penalty_style", None)
+    if style == "gnmt" and length_penalty is None:
+        raise ValueError(
+            f"to_marian: the model's generation config decodes with the paper's GNMT length penalty (alpha "
+            f"{generation.length_penalty}), which MarianMTModel's generate() cannot express (it divides by |Y|^alpha "
+            "only). Pass to_marian(model, length_penalty=ALPHA) for transformers' form with that alpha.")
+    if length_penalty is not None:
+        generation.length_penalty = float(length_penalty)
+    if style is not None:  # a field of ours that MarianMTModel would carry and ignore
+        del generation.length_penalty_style
     config = to_marian_config(model.config)
     source = model.model.shared.weight if model.config.share_encoder_decoder_embeddings else \
         model.model.encoder.embed_tokens.weight
@@ -253,7 +268,7 @@ def to_marian(model: VaswaniForConditionalGeneration) -> MarianMTModel:
     keep = _position_keys(marian) + ("final_logits_bias",)
     state = _permuted(_parameters(model, _position_keys(model)), marian_permutation(config.d_model))
     _load(marian, state, keep, "to_marian")
-    marian.generation_config = copy.deepcopy(model.generation_config)
+    marian.generation_config = generation
     return marian.train(model.training)
 
 

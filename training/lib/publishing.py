@@ -166,6 +166,19 @@ def describe_history(metrics: dict[str, Any]) -> dict[str, str]:
             "test_data": describe_data(metrics.get("data"), None, "test")}
 
 
+def describe_decoding(generation) -> str:
+    """The decoding `generate()` takes from a folder's `generation_config.json`, in words: "beam 4, length penalty 1.6
+    in the paper's GNMT form" (what the run chose on validation, or the default: beam 4, 0.6 in transformers' form)."""
+    beams = getattr(generation, "num_beams", None) or 1
+    if beams == 1:
+        return "greedy"
+    alpha = getattr(generation, "length_penalty", None)
+    alpha = 1.0 if alpha is None else alpha
+    style = "the paper's GNMT form, ((5 + |Y|) / 6)^alpha" if getattr(generation, "length_penalty_style", None) == \
+        "gnmt" else "transformers' form, |Y|^alpha"
+    return f"beam {beams}, length penalty {alpha:g} in {style}"
+
+
 def render_model_card(model, metrics: dict[str, Any], *, repo_id: str, template: str | os.PathLike | None = None,
                       license: str | None = None, source_lang: str | None = None,
                       target_lang: str | None = None) -> str:
@@ -196,7 +209,7 @@ def render_model_card(model, metrics: dict[str, Any], *, repo_id: str, template:
         multi30k=metrics.get("dataset") == "multi30k", base_multi30k=_base_trained_on_multi30k(metrics),
         origin=history["origin"], data_description=history["data"], test_data_description=history["test_data"],
         num_parameters=sum(p.numel() for p in model.parameters()),
-        example_source=EXAMPLE_SOURCES.get(source_lang, "..."),
+        example_source=EXAMPLE_SOURCES.get(source_lang, "..."), decoding=describe_decoding(model.generation_config),
     )
     return str(card)
 

@@ -30,6 +30,7 @@ one maximum length per call (`max_decoding_length`); a hypothesis that reaches i
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -48,7 +49,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_new": "GELUTanh", "silu": "SWISH", "swish": "SWISH",
                 "tanh": "Tanh"}
 
-__all__ = ["QUANTIZATIONS", "build_ct2_spec", "convert_to_ct2", "ct2_translate", "vocabulary_from_tokenizer"]
+DECODING_FILE = "decoding.json"  # the converted folder's notes: the decoding that reproduces the model folder's
+
+__all__ = ["DECODING_FILE", "QUANTIZATIONS", "build_ct2_spec", "convert_to_ct2", "ct2_decoding", "ct2_translate",
+           "vocabulary_from_tokenizer"]
 
 
 def _import_ctranslate2():
@@ -213,6 +217,60 @@ def build_ct2_spec(model, vocabulary: Sequence[str], max_positions: int | None =
     return spec
 
 
+def ct2_decoding(model_dir: str | os.PathLike, generation, length_penalty: float | None = None) -> dict:
+    """The beam and length penalty CTranslate2 decodes a converted folder with, and why, for its `decoding.json`.
+
+    CTranslate2 has only transformers' length penalty (score / |Y|^alpha). A folder whose `generation_config.json`
+    says that form (or nothing) keeps its beam and alpha. One that chose the paper's GNMT form
+    (`length_penalty_style: "gnmt"`) gets `length_penalty` where it is given, else the nearest equivalent by the rule
+    its run chose with: among the validation scores its `metrics.json` holds for the same checkpoints and beam
+    (`chosen_on_validation`), the best setting in transformers' form whose output is at least as long as the
+    references (`best_setting(..., 1.0)`).
+
+    Returns:
+        `{"num_beams", "length_penalty", "length_penalty_style": "hf", "source": "generation_config.json" | "given" |
+        "validation", "note"}`.
+    Raises:
+        ValueError: a GNMT folder, no `length_penalty`, and no validation scores in transformers' form to choose from.
+    """
+    from ..checks import read_json
+    from .search import best_setting
+
+    beams = getattr(generation, "num_beams", None) or 4
+    alpha = getattr(generation, "length_penalty", None)
+    alpha = 1.0 if alpha is None else float(alpha)
+    style = getattr(generation, "length_penalty_style", None) or "hf"
+    decoding = {"num_beams": beams, "length_penalty_style": "hf"}
+    if style != "gnmt":
+        return {**decoding, "length_penalty": alpha, "source": "generation_config.json",
+                "note": f"beam {beams}, length penalty {alpha:g} (transformers' form), as generation_config.json says"}
+    if length_penalty is not None:
+        return {**decoding, "length_penalty": float(length_penalty), "source": "given",
+                "note": f"beam {beams}, length penalty {float(length_penalty):g} in transformers' form as given; the "
+                        f"model folder chose {alpha:g} in the paper's GNMT form, which CTranslate2 cannot express"}
+    metrics_path = Path(model_dir) / "metrics.json"
+    search = read_json(metrics_path).get("chosen_on_validation") if metrics_path.is_file() else None
+    rows = []
+    if isinstance(search, dict) and isinstance(search.get("chosen"), dict):
+        chosen = search["chosen"]
+        rows = [row for row in search.get("tried", []) if isinstance(row, dict)
+                and row.get("length_penalty_style") == "hf" and row.get("num_beams") == beams
+                and row.get("average_last") == chosen.get("average_last")
+                and isinstance(row.get("bleu"), (int, float)) and isinstance(row.get("length_ratio"), (int, float))]
+    if not rows:
+        raise ValueError(
+            f"{model_dir}: its generation_config.json decodes with the paper's GNMT length penalty (alpha {alpha:g}), "
+            "which CTranslate2 cannot express (it divides by |Y|^alpha only), and its metrics.json holds no "
+            "validation scores in that form to choose the nearest setting from. Pass --length_penalty ALPHA "
+            "(length_penalty=ALPHA) to convert with transformers' form and that alpha.")
+    best = best_setting(rows, 1.0)
+    return {**decoding, "length_penalty": float(best["length_penalty"]), "source": "validation",
+            "note": f"beam {beams}, length penalty {best['length_penalty']:g} in transformers' form: the best such "
+                    f"setting on validation by the run's rule (BLEU {best['bleu']}, length ratio "
+                    f"{best['length_ratio']}); the model folder chose {alpha:g} in the paper's GNMT form (BLEU "
+                    f"{search['chosen'].get('bleu')}), which CTranslate2 cannot express"}
+
+
 def convert_to_ct2(
     model_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -220,6 +278,7 @@ def convert_to_ct2(
     vocabulary: Sequence[str] | None = None,
     max_positions: int | None = None,
     force: bool = False,
+    length_penalty: float | None = None,
 ) -> Path:
     """Convert a saved `VaswaniForConditionalGeneration` folder into a CTranslate2 model folder.
 
@@ -234,12 +293,15 @@ def convert_to_ct2(
         vocabulary: tokens in id order, when `model_dir` has no tokenizer.
         max_positions: rows of the written position table (default `config.max_position_embeddings`).
         force: replace an existing `output_dir`; never one that is, contains or lies inside `model_dir`.
+        length_penalty: transformers'-form alpha for a folder that chose the GNMT form (`ct2_decoding`).
     Returns:
-        `Path(output_dir)`.
+        `Path(output_dir)`, which also holds `decoding.json`: the beam and length penalty to translate with, and why
+        (`ct2_decoding`).
     Raises:
         FileExistsError: `output_dir` exists and `force` is False.
         ValueError: `output_dir` is, contains or lies inside `model_dir` (`vaswani_hf.checks.CheckError`), an
-            unknown quantization, no tokenizer and no `vocabulary`, a vocabulary that does not fit.
+            unknown quantization, no tokenizer and no `vocabulary`, a vocabulary that does not fit, a GNMT length
+            penalty that no setting can stand for (`ct2_decoding`).
         ImportError: ctranslate2 is not installed.
     """
     from ..checks import check_output_dir, check_output_not_in_inputs
@@ -260,6 +322,7 @@ def convert_to_ct2(
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a saved model folder (no config.json).")
     model = VaswaniForConditionalGeneration.from_pretrained(model_dir).eval()
+    decoding = ct2_decoding(model_dir, model.generation_config, length_penalty)  # before any work
     tokenizer_files = [model_dir / name for name in _TOKENIZER_FILES if (model_dir / name).is_file()]
     if vocabulary is None:
         if not (model_dir / "tokenizer.json").is_file():
@@ -277,6 +340,7 @@ def convert_to_ct2(
     staging = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.", suffix=".tmp"))
     try:
         spec.save(str(staging))
+        (staging / DECODING_FILE).write_text(json.dumps(decoding, indent=2) + "\n", encoding="utf-8")
         swap_in_folder(staging, output_dir)
     finally:
         if staging.exists():
