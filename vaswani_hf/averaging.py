@@ -103,6 +103,36 @@ def _check_same_config(folders: Sequence[Path]) -> None:
                              f"config field(s) {', '.join(differing)} ({details}).")
 
 
+def _tokenizer_model(folder: Path) -> tuple | None:
+    """What a checkpoint's `tokenizer.json` maps text to ids with: its model (vocabulary and merges) and its added
+    tokens; `None` where the folder has no tokenizer.json."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    tokenizer = read_json(path)
+    if not isinstance(tokenizer, dict):
+        raise CheckError(f"{path}: expected a JSON object, got {type(tokenizer).__name__}; the file is damaged.")
+    return tokenizer.get("model"), tokenizer.get("added_tokens")
+
+
+def _check_same_tokenizer(folders: Sequence[Path]) -> None:
+    """Checkpoints that hold tokenizers must hold the same one: ids of another vocabulary or other merges mean other
+    rows of the embedding, whatever the vocabulary's size."""
+    reference = None
+    for folder in folders:
+        model = _tokenizer_model(folder)
+        if model is None:
+            continue
+        if reference is None:
+            reference = (folder, model)
+        elif model != reference[1]:
+            kind = "vocabularies" if (model[0] or {}).get("vocab") != (reference[1][0] or {}).get("vocab") else \
+                "merges or added tokens"
+            raise ValueError(f"Cannot average {reference[0]} and {folder}: their tokenizer.json files hold different "
+                             f"{kind}, so the same embedding row stands for different tokens. Average checkpoints "
+                             "of one run (one tokenizer).")
+
+
 def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """The weights of one checkpoint, refused (naming the file) when a file is truncated or a tensor is not finite."""
     from safetensors.torch import load_file
@@ -135,8 +165,8 @@ def average_checkpoints(paths: Sequence[str | os.PathLike]) -> dict[str, torch.T
         a state dict with the checkpoints' keys: floating-point tensors averaged (float64 sum / n, cast back to their
         dtype), other tensors from the last path.
     Raises:
-        ValueError: no paths; configs that differ (the message names both folders and the fields); different
-            parameter names or shapes.
+        ValueError: no paths; configs that differ (the message names both folders and the fields); tokenizers that
+            differ (vocabulary, merges or added tokens); different parameter names or shapes.
         FileNotFoundError: a folder without config.json or safetensors weights.
         CheckError (a ValueError): a truncated weights file, or weights holding NaN or infinite values, naming it.
     """
@@ -147,6 +177,7 @@ def average_checkpoints(paths: Sequence[str | os.PathLike]) -> dict[str, torch.T
         if not folder.is_dir():
             raise FileNotFoundError(f"average_checkpoints: {folder} is not a folder.")
     _check_same_config(folders)
+    _check_same_tokenizer(folders)
 
     sums: dict[str, torch.Tensor] = {}
     last: dict[str, torch.Tensor] = {}

@@ -12,6 +12,7 @@ and row, what is wrong and what to do.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ def open_dataset(hub_dataset: str, hub_config: str | None = None, **kwargs):
         if empty:
             raise CheckError(f"{empty[0]}: the file is empty; each split of a dataset folder needs at least one "
                              f"record ({_LAYOUT}). Remove the file or fill it.")
+        check_one_set_per_split(Path(hub_dataset))
     try:
         return datasets.load_dataset(hub_dataset, hub_config, **kwargs)
     except CheckError:
@@ -96,6 +98,42 @@ def open_dataset(hub_dataset: str, hub_config: str | None = None, **kwargs):
     except Exception as error:  # datasets' own (StopIteration, SplitsNotFoundError, CastError, ...) name no record
         raise CheckError(f"dataset {hub_dataset!r}: datasets cannot read it ({_reason(error)}). Check the name, or "
                          f"that every split holds the same kind of records: {_LAYOUT}.") from None
+
+
+_SHARD = re.compile(r"^(?P<set>.+)-\d+-of-\d+(?P<suffix>\..+)?$")
+
+
+def folder_split_files(folder: Path) -> dict[str, list[Path]]:
+    """The files `datasets.load_dataset(folder)` reads into each split of a folder without a loading script or a
+    README `configs:` section: every file whose name starts with the split's name or one of its aliases (`test` takes
+    `test2017.jsonl` too, `validation` takes `dev.jsonl`). {} for a folder that configures its own splits."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    readme = folder / "README.md"
+    if any(folder.glob("*.py")) or (readme.is_file() and "configs:" in readme.read_text(errors="replace")):
+        return {}
+    try:
+        files = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
+    except Exception:  # no pattern matched: load_dataset's own error names it
+        return {}
+    return {str(split): sorted(Path(name) for name in names) for split, names in files.items()}
+
+
+def check_one_set_per_split(folder: Path) -> None:
+    """Each split of a dataset folder is one set of records: one file, or the shards of one (`train-00000-of-00002`).
+
+    Raises:
+        CheckError: a split would join files of several sets (`test.jsonl` and `test2017.jsonl` are both `test` to
+            `datasets`), naming them.
+    """
+    for split, files in folder_split_files(folder).items():
+        sets = {(_SHARD.match(path.name) or re.match(r"(?P<set>.*)", path.name))["set"] for path in files}
+        if len(sets) > 1:
+            raise CheckError(
+                f"dataset folder {folder}: its {split!r} split would join {len(files)} files of different sets "
+                f"({', '.join(path.name for path in files)}): datasets reads every file whose name starts with "
+                f"'{split}' or an alias of it as that split. Keep one file (or the shards of one) per split in the "
+                "folder, and move the others out, or give each its own folder.")
 
 
 def _reason(error: BaseException) -> str:
