@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -52,6 +53,9 @@ ROWS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
 }
 DEFAULT_ROWS = ("base", "A1", "A16", "D0", "LS0", "E")
 ROW_FILE = "table3_row.json"
+# what table3.md reads of each row
+ROW_FIELDS = {"row", "group", "change", "parameters", "train_steps", "validation_ppl", "validation_bleu",
+              "validation_length_ratio", "command"}
 # The row of the paper's Table 3 (newstest2013 dev; base: N 6, d_model 512, d_ff 2048, h 8, d_k 64) that each row
 # mirrors, with its perplexity and BLEU: the same change relative to the base model
 PAPER_ROWS = {"base": ("base", 4.92, 25.8), "A1": ("h 1, d_k 512", 5.29, 24.9), "A16": ("h 32, d_k 16", 5.01, 25.4),
@@ -130,6 +134,40 @@ def validation_scores(model_dir: Path, max_sentences: int | None = None, batch_s
             "validation_sentences": len(sources)}
 
 
+def _run_child(command: list[str], log) -> int:
+    """Run `command` with its output into `log` and return its exit status. SIGTERM or Ctrl-C to this process is
+    passed on to the child (a vaswani-train saves a checkpoint and stops), which is waited for, then re-raised: a
+    stopped ablation leaves no training running on its own."""
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        return process.wait()
+    except BaseException:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _done_row(path: Path) -> dict | None:
+    """A finished row's `table3_row.json`, or `None` where the file is damaged (cut short, empty, not an object or
+    without a field of the table): the row is then run again, as a row that never finished."""
+    try:
+        row = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return row if isinstance(row, dict) and ROW_FIELDS <= set(row) else None
+
+
 def run_row(name: str, output_dir: Path, minutes: float, extra: list[str], max_sentences: int | None) -> dict:
     """Train row `name` in a process of its own, score it, and write its `table3_row.json` (atomically) last.
 
@@ -144,12 +182,15 @@ def run_row(name: str, output_dir: Path, minutes: float, extra: list[str], max_s
     log = output_dir / f"{name}.log"
     started = time.monotonic()
     with open(log, "w", encoding="utf-8") as handle:
-        status = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT).returncode
+        status = _run_child(command, handle)
     if status != 0:
         raise RuntimeError(f"row {name}: vaswani-train exited with status {status}; see {log}.")
     seconds = time.monotonic() - started
-    with open(folder / "metrics.json", encoding="utf-8") as handle:
-        metrics = json.load(handle)
+    from vaswani_hf.checks import read_json
+
+    metrics = read_json(folder / "metrics.json")  # an error naming the file if it does not parse
+    if not isinstance(metrics, dict):
+        raise RuntimeError(f"row {name}: {folder / 'metrics.json'} is not a JSON object of metrics; see {log}.")
     group, change, _, _ = ROWS[name]
     row = {"row": name, "group": group, "change": change, "parameters": metrics.get("parameters"),
            "train_steps": metrics.get("train_steps"), "train_minutes": metrics.get("train_minutes"),
@@ -225,14 +266,20 @@ def main(argv: list[str] | None = None) -> int:
     for name in rows:
         done = output_dir / name / ROW_FILE
         if done.is_file():
-            print(f"row {name}: done earlier ({done})")
-            results.append(json.loads(done.read_text(encoding="utf-8")))
-            continue
+            row = _done_row(done)
+            if row is not None:
+                print(f"row {name}: done earlier ({done})")
+                results.append(row)
+                continue
+            print(f"row {name}: {done} is damaged (cut short, empty or not the row's fields): running the row again")
         print(f"row {name}: {ROWS[name][1]} ({args.minutes:g} minutes) ...", flush=True)
         try:
             results.append(run_row(name, output_dir, args.minutes, extra, args.validation_sentences))
-        except RuntimeError as error:
+        except (RuntimeError, ValueError) as error:  # CheckError is a ValueError
             raise SystemExit(f"error: {error}") from None
+        except KeyboardInterrupt as stop:  # SIGTERM or Ctrl-C: the row's vaswani-train was stopped and waited for
+            raise SystemExit(f"stopped ({stop or 'Ctrl-C'}) during row {name}, whose training was stopped with "
+                             f"it; the same command resumes from this row.") from None
         row = results[-1]
         print(f"row {name}: {row['train_steps']} steps, validation perplexity {row['validation_ppl']:.2f}, "
               f"BLEU {row['validation_bleu']:.2f}", flush=True)

@@ -118,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         check_sentence_lengths(model, tokenizer, sources, names=[f"{where}, pair {i + 1}" for i in range(len(sources))])
     except CheckError as error:
         raise SystemExit(str(error)) from None
+    from vaswani_hf.bleu import compute_bleu
+
+    references = [t[args.target_lang] for t in test["translation"]]
+    try:  # BLEU is defined on these references (the references scored as their own output), before translating
+        compute_bleu(references, references, target_lang=args.target_lang)
+    except ValueError as error:
+        raise SystemExit(f"error: {where}: the references cannot be scored: {error}") from None
     result = evaluate_test_set(model, tokenizer, test, data_args, batch_size=args.batch_size,
                                num_beams=args.num_beams, length_penalty=args.length_penalty,
                                is_multi30k=args.test_file is None,

@@ -86,7 +86,15 @@ def plot_learning_curve(trainer_state: str | Path, output: str | Path, metric: s
     from vaswani_hf.checks import read_json
 
     state = read_json(state_path)  # an error naming the file if it does not parse
-    data = learning_curve_data(state.get("log_history", []), metric)
+    if not isinstance(state, dict) or not isinstance(state.get("log_history", []), list):
+        raise ValueError(f"{state_path}: expected the JSON object the Trainer writes, with a 'log_history' list of "
+                         f"logged steps; got {type(state).__name__}" + ("" if not isinstance(state, dict) else
+                         f" with a 'log_history' {type(state['log_history']).__name__}") +
+                         ". Pass a checkpoint's trainer_state.json or the run's folder.")
+    try:
+        data = learning_curve_data(state.get("log_history", []), metric)
+    except ValueError as error:
+        raise ValueError(f"{state_path}: {error}") from None
     score = f"eval_{metric}"
     panels = [("loss", ["train_loss", "eval_loss"]), (metric.upper() if metric == "bleu" else metric, [score]),
               ("learning rate", ["learning_rate"])]
