@@ -43,6 +43,7 @@ from transformers import (
     TrainerCallback,
     set_seed,
 )
+from transformers.trainer_utils import TrainOutput
 
 from vaswani_hf.checks import CheckError, follow_umask, weight_files
 from vaswani_hf.data import PaddedBatches, StreamingTokenBudgetBatches, example_lengths
@@ -50,7 +51,7 @@ from vaswani_hf.fast_paths_vaswani import training_fast_paths
 from vaswani_hf.schedule import get_inverse_sqrt_schedule, paper_adam
 
 from .lib.arguments import DataArguments, ModelArguments, RecipeArguments
-from .lib.checkpoints import average_into, write_run_settings
+from .lib.checkpoints import PLAN_FILE, average_into, training_ended_at, write_run_settings
 from .lib.choose import (
     COOLDOWN_CHECKPOINTS,
     SEARCH_COST_FACTOR,
@@ -60,7 +61,7 @@ from .lib.choose import (
     write_given_decoding,
 )
 from .lib.dropout import LongRunDropout, long_run_dropout
-from .lib.output_dir import claim_output_dir, retire_previous_results
+from .lib.output_dir import claim_output_dir, finished_metrics, retire_previous_results, write_json_atomic
 from .lib.planner import BudgetPlanner
 from .lib.precision import cpu_precision
 from .lib.prepare import select, token_budget_sampler, training_stream
@@ -217,6 +218,14 @@ class PaperTrainer(Seq2SeqTrainer):
             return None
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
+    def resume_without_training(self, checkpoint: str) -> None:
+        """The model and the state of `checkpoint` (the step at which the run's training ended), without a step: what
+        `train(resume_from_checkpoint=...)` would load before it trains on."""
+        from transformers.trainer_callback import TrainerState
+
+        self._load_from_checkpoint(checkpoint)
+        self.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             params = [p for p in (model or self.model).parameters() if p.requires_grad]
@@ -331,16 +340,19 @@ class SaveEvery(TrainerCallback):
 
 
 class CheckpointSettings(TrainerCallback):
-    """Writes the run's settings into each checkpoint (`checkpoints.RUN_SETTINGS`, read when the run is resumed) and
-    gives its weights the modes of the user's umask."""
+    """Writes the run's settings into each checkpoint (`checkpoints.RUN_SETTINGS`, read when the run is resumed) and,
+    with a planner, its plan there (`checkpoints.PLAN_FILE`: whether training ended at that step), and gives its weights
+    the modes of the user's umask."""
 
-    def __init__(self, run: Run):
-        self.run = run
+    def __init__(self, run: Run, planner: BudgetPlanner | None = None):
+        self.run, self.planner = run, planner
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if state.is_world_process_zero and folder.is_dir():
             write_run_settings(self.run, folder)
+            if self.planner is not None:
+                write_json_atomic(folder / PLAN_FILE, self.planner.checkpoint_record(state.global_step))
             for path in weight_files(folder):
                 follow_umask(path)
 
@@ -447,7 +459,8 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
     compute_metrics = validation_bleu(tokenizer, data_args.target_lang)
 
     time_limit = TimeLimit(plan.max_train_minutes)
-    callbacks: list[TrainerCallback] = [time_limit, CheckpointSettings(run)]
+    settings = CheckpointSettings(run)
+    callbacks: list[TrainerCallback] = [time_limit, settings]
     # --streaming: one endless iteration, pass after pass each in its own batch order (`repeat`), so that a resumed
     # run, which skips as many batches as it has trained, continues exactly where the uninterrupted run would be
     train_dataset = tokenized["train"] if not data_args.streaming else StreamingTokenBudgetBatches(
@@ -472,6 +485,7 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
             search_sentences=passes * search_sentences * SEARCH_COST_FACTOR,
             cooldown_checkpoints=COOLDOWN_CHECKPOINTS if averaging_searched(run) and passes else 0)
         callbacks.append(planner)
+        settings.planner = planner
         long_run = long_run_dropout(run.preset, run.model_args.config_overrides, run.model_args.model_name_or_path)
         if long_run is not None:
             dropout_choice = LongRunDropout(planner, long_run["min_steps"], long_run["probabilities"],
@@ -494,8 +508,21 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
     )
 
     # The newest *complete* checkpoint with finite weights of "last"/"true" or a run folder, as `check_inputs` found.
-    start = time.perf_counter()
-    train_result = trainer.train(resume_from_checkpoint=plan.resume_from)
+    ended = training_ended_at(plan.resume_from, training_args.max_steps) if plan.resume_from else None
+    if ended is not None:  # nothing left to train: Trainer would train a step past the end, and a budget start over
+        done = finished_metrics(run, ended["step"])
+        if done is not None:
+            print(f"The run in {run.output_dir} had finished: its training ended at step {ended['step']}, and its "
+                  f"metrics.json scores the model it left. Nothing to do.")
+            return done
+        print(f"The run's training ended at step {ended['step']} ({plan.resume_from}); it resumes after training: the "
+              f"choice on validation and the test set.")
+        start = time.perf_counter()
+        trainer.resume_without_training(plan.resume_from)
+        train_result = TrainOutput(trainer.state.global_step, float("nan"), {})
+    else:
+        start = time.perf_counter()
+        train_result = trainer.train(resume_from_checkpoint=plan.resume_from)
     train_seconds = time.perf_counter() - start
     stopped_by = "SIGTERM" if time_limit.signal == getattr(signal, "SIGTERM", None) else None
     main_process = trainer.is_world_process_zero()
@@ -512,8 +539,9 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
             choice = choose_on_validation(
                 run, trainer.model, tokenizer,
                 select(raw["validation"], search_limit) if "validation" in raw else None,
-                cooldown_from=planner.cooldown_from if planner is not None else None,
-                checkpoint_every=planner.cooldown_checkpoint_every if planner is not None else None,
+                cooldown_from=ended["cooldown_from"] if ended else planner.cooldown_from if planner else None,
+                checkpoint_every=ended["cooldown_checkpoint_every"] if ended else
+                planner.cooldown_checkpoint_every if planner else None,
                 final_step=trainer.state.global_step, num_beams=training_args.generation_num_beams,
                 batch_size=training_args.per_device_eval_batch_size)
         if choice is None:
@@ -534,9 +562,12 @@ def _train(run: Run, training_args: Seq2SeqTrainingArguments, *, push: HubPush |
         # Source + target tokens without padding: epochs (fractional) x tokens in one pass over the data.
         src_lengths, tgt_lengths = example_lengths(tokenized["train"])
         tokens_per_epoch = int(src_lengths.sum() + tgt_lengths.sum())
-        metrics["train_tokens_per_second"] = round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1)
+        if ended is None:  # a run resumed at its end trained nothing now
+            metrics["train_tokens_per_second"] = round((state.epoch or 0.0) * tokens_per_epoch / train_seconds, 1)
     if planner is not None and planner.plans:
         metrics["plan"] = planner.plans[-1]
+    if ended is not None:
+        metrics["resumed_after_training"] = {"checkpoint": plan.resume_from, "step": ended["step"]}
     if dropout_choice is not None:  # what the preset's long_run_dropout offered and whether the plan took it
         metrics["long_run_dropout"] = {"min_steps": dropout_choice.min_steps, "at_step": dropout_choice.at_step,
                                        **dropout_choice.probabilities,

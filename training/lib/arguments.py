@@ -102,7 +102,7 @@ class RecipeArguments:
     time_budget_minutes: float | None = field(default=None, metadata={
         "help": "Plan the number of steps from the measured speed of the first ones so that the whole command "
                 "(start to test BLEU) ends within this many minutes; the schedule ends with a linear lr cooldown. "
-                "Default: the preset's (cpu: 26; 18 on a CPU with native bf16 unless --cpu_bf16 no), unless "
+                "Default: the preset's (cpu: 26, gpu: 6), unless "
                 "--max_steps is given."})
     num_samples: int = field(default=5, metadata={"help": "Sample translations printed at the end."})
     length_penalty: float | None = field(default=None, metadata={

@@ -44,10 +44,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vaswani_hf.training")
 
-__all__ = ["CHECKPOINT_FILES", "RUN_SETTINGS", "average_current_run", "average_into", "check_average_last",
-           "check_average_last_resumed", "check_resume_settings", "checkpoint_problems", "checkpoint_step",
-           "current_run_checkpoints", "expected_model_fields", "resolve_resume_checkpoint", "resolve_resume_value",
-           "run_settings", "write_run_settings"]
+__all__ = ["CHECKPOINT_FILES", "PLAN_FILE", "RUN_SETTINGS", "average_current_run", "average_into",
+           "check_average_last", "check_average_last_resumed", "check_resume_settings", "checkpoint_problems",
+           "checkpoint_step", "current_run_checkpoints", "expected_model_fields", "resolve_resume_checkpoint",
+           "resolve_resume_value", "run_settings", "training_ended_at", "write_run_settings"]
 
 # The files of a complete checkpoint, by the loop that writes it ("trainer": train.py, "accelerate":
 # train_no_trainer.py); `rng_state_<rank>.pth` files stand for `rng_state.pth` after a multi-process Trainer run.
@@ -60,6 +60,8 @@ _CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 _RESUME_LAST = ("true", "last", "latest")
 # The settings of a run that a resumed run must share, written into every checkpoint.
 RUN_SETTINGS = "vaswani_run.json"
+# The plan of a budgeted run at a checkpoint (`planner.BudgetPlanner.checkpoint_record`): whether training ended there
+PLAN_FILE = "vaswani_plan.json"
 # Config fields that give a model its shape: a resumed run must build the same.
 _SHAPE_FIELDS = ("d_model", "encoder_layers", "decoder_layers", "num_heads", "d_ff", "position_embedding_type",
                  "normalize_before", "share_encoder_decoder_embeddings", "activation_function")
@@ -225,6 +227,24 @@ def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | os.Pat
             f"so resuming from it would not continue the run.{alternative}")
     _check_finite(folder, str(value), layout)
     return str(folder)
+
+
+def training_ended_at(checkpoint: str | os.PathLike, max_steps: int) -> dict | None:
+    """Where a run's training ended at `checkpoint`: `{"step", "cooldown_from", "cooldown_checkpoint_every"}` when its
+    step (`trainer_state.json`) reached `max_steps` (the resuming command's), or its `PLAN_FILE` says the plan or the
+    time budget ended training there; `None` where the run stopped before its end (a signal, `--max_train_minutes`)
+    and resuming continues it."""
+    folder = Path(checkpoint)
+    state = read_json(folder / "trainer_state.json") if (folder / "trainer_state.json").is_file() else None
+    plan = read_json(folder / PLAN_FILE) if (folder / PLAN_FILE).is_file() else None
+    plan = plan if isinstance(plan, dict) else {}
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        return None
+    step = state["global_step"]
+    if not (plan.get("ended") and plan.get("step") == step) and not 0 < max_steps <= step:
+        return None
+    return {"step": step, "cooldown_from": plan.get("cooldown_from"),
+            "cooldown_checkpoint_every": plan.get("cooldown_checkpoint_every")}
 
 
 # -- the settings a resumed run shares ---------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from vaswani_hf.checks import (
     check_output_not_in_inputs,
     read_json,
     replace_file_atomically,
+    weights_fingerprint,
 )
 
 if TYPE_CHECKING:
@@ -214,6 +215,22 @@ def retire_previous_results(run: Run) -> list[Path]:
 
 
 # -- atomic writes -----------------------------------------------------------------------------------------------------
+
+
+def finished_metrics(run: Run, step: int) -> dict[str, Any] | None:
+    """The metrics.json of a run in --output_dir that finished: trained to `step`, then chose, scored and wrote the
+    metrics of the weights that lie there (their fingerprint, `weights_sha256`); `None` where it stopped before."""
+    path = run.output_dir / "metrics.json"
+    try:
+        metrics = read_json(path) if path.is_file() else None
+    except CheckError:  # a damaged file is an unfinished run: it is retired and written again
+        return None
+    if not isinstance(metrics, dict) or metrics.get("train_steps") != step or "command_minutes" not in metrics:
+        return None
+    try:
+        return metrics if metrics.get("weights_sha256") == weights_fingerprint(run.output_dir) else None
+    except (OSError, CheckError):
+        return None
 
 
 def _write_atomic(path: str | os.PathLike, write: Callable[[TextIO], None]) -> None:

@@ -116,6 +116,7 @@ class BudgetPlanner(TrainerCallback):
         self.start = process_start_monotonic() if start is None else start
         self.planned_steps: int | None = None
         self.cooldown_steps = 0
+        self.ended_at: int | None = None  # the step at which the plan or the budget ended training
         self.step_seconds: float | None = None
         self._timed_from: tuple[int, float] | None = None  # (step, time) where step timing starts
         self._eval_seconds = 0.0  # time spent in validation since timing started (not training time)
@@ -227,12 +228,22 @@ class BudgetPlanner(TrainerCallback):
         if self.planned_steps is not None and step >= self.planned_steps:
             control.should_training_stop = True
             control.should_save = True
+            self.ended_at = step
         elif self.elapsed() + self.final_seconds() > self.budget:
             message = f"Time budget reached at step {step} (planned {self.planned_steps}): saving and stopping."
             logger.warning(message)
             control.should_training_stop = True
             control.should_save = True
+            self.ended_at = step
         return control
+
+    def checkpoint_record(self, step: int) -> dict:
+        """What a checkpoint keeps of the plan (`checkpoints.PLAN_FILE`), for a run resumed from it: whether training
+        ended at `step` (by the plan or the budget) and the cooldown the choice on validation reads its candidates
+        from."""
+        return {"step": step, "ended": self.ended_at is not None and step >= self.ended_at,
+                "planned_steps": self.planned_steps, "cooldown_from": self.cooldown_from,
+                "cooldown_checkpoint_every": self.cooldown_checkpoint_every}
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         runtime = (metrics or {}).get("eval_runtime")
