@@ -421,12 +421,13 @@ MFU_SIZES = {"base": {"d_model": 512, "layers": 6, "heads": 8, "d_ff": 2048},
              "cpu": {"d_model": 256, "layers": 3, "heads": 4, "d_ff": 1024}}
 
 
-def bench_mfu(args) -> dict:
+def bench_mfu(args, sizes: dict | None = None) -> dict:
     """Training-step model FLOP/s (real tokens only) as a fraction of the GEMM peak measured in the same run, for
-    ours and Marian, at base dims and at the cpu preset's dims (tiny dims with --quick)."""
+    ours and Marian, at base dims and at the cpu preset's dims (tiny dims with --quick; `sizes` instead)."""
     peak = measure_gemm_peak(args)
-    sizes = {"quick": {"d_model": args.d_model, "layers": args.layers, "heads": args.heads, "d_ff": args.d_ff}} \
-        if args.quick else MFU_SIZES
+    if sizes is None:
+        sizes = {"quick": {"d_model": args.d_model, "layers": args.layers, "heads": args.heads, "d_ff": args.d_ff}} \
+            if args.quick else MFU_SIZES
     result = {"gemm_peak": peak, "sizes": {}}
     for label, dims in sizes.items():
         sized = argparse.Namespace(**{**vars(args), **dims})
@@ -675,16 +676,17 @@ def print_rate(label: str, measured: dict, unit: str) -> None:
 def print_training_report(results: dict) -> None:
     """The training rows: tokens/s, on CUDA the MFU against the data-sheet peak, and the MFU table (unless
     --no-mfu)."""
-    train = results["training"]
+    train = results.get("training")
     print()
     print("ours/Marian: > 1 means ours is faster (rates) or uses more memory (MiB). wall: ratio of the median "
           "wall-clock rates; paired: median of the per-repetition ratios of back-to-back calls; CPU: ratio of the "
           "median process CPU times." + (" Training steps run under torch.compile." if
                                          results["settings"].get("compile") else ""))
-    print(HEADER)
-    print_rate(f"training tokens/s ({train['batch_shape'][0]}x{train['batch_shape'][1]}, "
-               f"{train['target_tokens_per_step']} target tokens)", train, "tokens_per_s")
-    if "mfu" in train["ours"]:
+    if train is not None:
+        print(HEADER)
+        print_rate(f"training tokens/s ({train['batch_shape'][0]}x{train['batch_shape'][1]}, "
+                   f"{train['target_tokens_per_step']} target tokens)", train, "tokens_per_s")
+    if train is not None and "mfu" in train["ours"]:
         for name in MODELS:
             mfu = train[name]["mfu"]
             print(f"training MFU {name}: " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown peak") +
@@ -799,6 +801,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "processes with their own setting")
     run.add_argument("--compile", action="store_true",
                      help="torch.compile both models' forward for the training measurements (generate() stays eager)")
+    run.add_argument("--main-job", action="store_true",
+                     help="the training step at the cpu preset's dims and --batch-tokens (use 1024, the main job's) in "
+                          "fp32 and, with native bf16, bf16: MFU and where the step's time goes, each precision "
+                          "against its own GEMM peak")
     run.add_argument("--training-only", action="store_true",
                      help="measure training (tokens/s and MFU) only: no generation, no memory")
     run.add_argument("--quick", action="store_true", help="a tiny model and few repetitions (seconds)")
@@ -840,6 +846,27 @@ def device_name(args) -> str:
     return f"cpu: {os.cpu_count()} x {name}"
 
 
+def main_job_rows(args, results: dict, started: float) -> dict:
+    """`--main-job`: the MFU table and the split of a step (products, attention kernels, the rest) at the `cpu`
+    preset's dims and `--batch-tokens` (1,024: the main job's), in fp32 and, where the CPU computes bf16 natively,
+    in bf16 autocast, each against the GEMM peak of its own precision measured in the same run."""
+    from vaswani_training.lib.precision import cpu_has_native_bf16
+
+    dtypes = ["fp32"] + (["bf16"] if args.device == "cuda" or cpu_has_native_bf16() else [])
+    sizes = {"cpu": MFU_SIZES["cpu"]} if not args.quick else None
+    results["mfu_by_dtype"] = {}
+    for dtype in dtypes:
+        measured = argparse.Namespace(**{**vars(args), "dtype": dtype})
+        results["mfu_by_dtype"][dtype] = bench_mfu(measured, sizes)
+        print(f"\n--- {dtype} ---")
+        print_training_report({**results, "mfu": results["mfu_by_dtype"][dtype]})
+    results["seconds"] = time.perf_counter() - started
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.output} ({results['seconds']:.0f} s)")
+    return results
+
+
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.threads:
@@ -852,6 +879,12 @@ def main(argv=None) -> dict | None:
         from vaswani_training.lib.cpu_tuning import keep_freed_memory
 
         kept = keep_freed_memory()
+    if args.main_job:
+        return main_job_rows(args, {"device": device_name(args), "torch": torch.__version__,
+                                    "threads": torch.get_num_threads(), "malloc_keeps_freed_memory": kept,
+                                    "cpu_training_matmul": cpu_training_matmul() if args.device == "cpu" else None,
+                                    "settings": {k: v for k, v in vars(args).items() if k != "memory_child"}},
+                             time.perf_counter())
     torch.manual_seed(args.seed)
     models = {name: build_model(name, args) for name in MODELS}
     parameters = {name: count_parameters(model) for name, model in models.items()}

@@ -158,6 +158,23 @@ def test_quick_run_says_where_the_step_goes(quick_run):
         row["ours"]["products_seconds"] + row["ours"]["attention_seconds"]))
 
 
+def test_the_main_job_rows_split_a_step_in_each_precision_the_cpu_computes(tmp_path):
+    from vaswani_training.lib.precision import cpu_has_native_bf16
+
+    output = tmp_path / "main_job.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--main-job", "--output", str(output)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(output.read_text())
+    expected = {"fp32", "bf16"} if cpu_has_native_bf16() else {"fp32"}
+    assert set(results["mfu_by_dtype"]) == expected and "training" not in results
+    for dtype, mfu in results["mfu_by_dtype"].items():
+        assert mfu["gemm_peak"]["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+        row = mfu["sizes"]["quick"]
+        assert positive(row["ours"]["products_seconds"]) and positive(row["marian"]["step_seconds"])
+        assert f"--- {dtype} ---" in done.stdout
+
+
 def test_time_products_sees_every_product_and_attention_kernel_of_a_step():
     """Each linear layer's three products (forward, input gradient, weight gradient; the fused output projection and
     loss too) and each attention block's flash kernel, forward and backward, are timed; nothing else is."""
