@@ -256,6 +256,50 @@ def test_batches_translated_side_by_side_are_the_batches_translated_one_by_one(t
         translate_sentences(model, tiny_tokenizer, GERMAN, workers=0)
 
 
+def test_searches_side_by_side_leave_the_models_generation_config_as_it_was(tiny_tokenizer):
+    """The choice on validation beam-searches batches in two threads; each search decodes with its own settings
+    (num_return_sequences, output_scores, return_dict_in_generate, its batch's max_new_tokens), never the model's. The
+    first two searches are held inside generate() together (a barrier) and the second ends last: afterwards the
+    model's generation config is what it was (what the choice writes and the test set decodes with), and the scores
+    are those of one search at a time."""
+    import time
+
+    from helpers import ENGLISH, GERMAN
+
+    from vaswani_hf.decoding.search import length_penalty_search
+
+    model = tiny_model(vocab_size=len(tiny_tokenizer))
+    model.generation_config.update(num_beams=4, length_penalty=0.6)
+    before = model.generation_config.to_dict()
+    threads = torch.get_num_threads()
+    barrier, lock, calls = threading.Barrier(2, timeout=30), threading.Lock(), []
+    generate = model.generate
+
+    def held(*args, **kwargs):
+        with lock:
+            calls.append(threading.get_ident())
+            number = len(calls)
+        if number <= 2:
+            barrier.wait()  # both searches are inside their call at once
+        out = generate(*args, **kwargs)
+        if number == 2:
+            time.sleep(0.3)  # and the one that came second ends last
+        return out
+
+    try:
+        torch.set_num_threads(1)  # one search at a time (map_batches takes torch's thread count)
+        alone = length_penalty_search(model, tiny_tokenizer, GERMAN, ENGLISH, alphas=(0.6, 1.0), batch_size=3)
+        torch.set_num_threads(2)
+        model.generate = held
+        side_by_side = length_penalty_search(model, tiny_tokenizer, GERMAN, ENGLISH, alphas=(0.6, 1.0), batch_size=3)
+    finally:
+        model.__dict__.pop("generate", None)
+        torch.set_num_threads(threads)
+    assert len(set(calls[:2])) == 2 and not barrier.broken  # two threads were inside generate() together
+    assert model.generation_config.to_dict() == before
+    assert side_by_side == alone
+
+
 # A resumed run ------------------------------------------------------------------------------------------------------
 
 

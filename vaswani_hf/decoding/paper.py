@@ -54,6 +54,7 @@ differently. The GNMT coverage penalty (beta) is not part of the paper's setup a
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -256,20 +257,34 @@ def _generation_config(num_beams: int, max_new_tokens: int, eos: int, pad: int, 
     )
 
 
+_ONLY_LOCK = threading.Lock()
+_ONLY_SAVED: dict[int, list] = {}  # id(model) -> [calls inside _only, the model's own generation config]
+
+
 @contextmanager
-def _only(model, config: GenerationConfig):
-    """Run `generate` with `config` and transformers' defaults only.
+def _only(model):
+    """Run `generate` with the config passed to it and transformers' defaults only.
 
     `generate` fills every field that the passed config leaves unset from `model.generation_config`, so settings saved
-    with the model (`no_repeat_ngram_size`, `min_length`, `repetition_penalty`, ...) would change the scores. The
-    model's config is swapped for `config` during the call and restored afterwards.
+    with the model (`no_repeat_ngram_size`, `min_length`, `repetition_penalty`, ...) would change the scores. During
+    the call the model's config is an empty `GenerationConfig` (every caller passes its own `config` to `generate`),
+    the same one for every thread inside `_only` at once: the first in saves the model's own, the last out puts it
+    back, so searches side by side never leave one another's settings on the model.
     """
-    saved = model.generation_config
-    model.generation_config = config
+    with _ONLY_LOCK:
+        entry = _ONLY_SAVED.get(id(model))
+        if entry is None:
+            entry = _ONLY_SAVED[id(model)] = [0, model.generation_config]
+            model.generation_config = GenerationConfig()
+        entry[0] += 1
     try:
         yield
     finally:
-        model.generation_config = saved
+        with _ONLY_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                model.generation_config = entry[1]
+                del _ONLY_SAVED[id(model)]
 
 
 def _first_eos_lengths(generated: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,7 +338,7 @@ def beam_search_hypotheses(
     config = _generation_config(num_beams, int(limits.max()), eos, pad, start)
     config.update(early_stopping=True, length_penalty=0.0, num_return_sequences=num_beams, output_scores=True,
                   return_dict_in_generate=True)
-    with _only(model, config):
+    with _only(model):
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -381,7 +396,7 @@ def paper_generate(
         limits = _position_limited(model,
                                    max_output_lengths(attention_mask, max_len_a, max_len_b).to(input_ids.device))
         config = _generation_config(1, int(limits.max()), eos, pad, start)
-        with _only(model, config):
+        with _only(model):
             sequences = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
