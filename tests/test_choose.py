@@ -237,7 +237,8 @@ def test_the_run_averages_the_cooldown_checkpoints_and_searches_the_penalty(chos
     assert (generation["length_penalty"], generation["length_penalty_style"], generation["num_beams"]) == (
         choice["chosen"]["length_penalty"], choice["chosen"]["length_penalty_style"], 4)
     # the search's own settings stay out of the folder's decoding (one output per sentence, plain sequences)
-    assert not {"num_return_sequences", "output_scores", "return_dict_in_generate", "max_new_tokens"} & set(generation)
+    assert generation.get("num_return_sequences", 1) == 1 and generation.get("max_new_tokens") is None
+    assert not generation.get("output_scores") and not generation.get("return_dict_in_generate")
     assert (metrics["length_penalty"], metrics["length_penalty_style"]) == (
         generation["length_penalty"], generation["length_penalty_style"])  # the test set decoded once, as chosen
     assert metrics["averaged_checkpoints"] == choice["chosen"]["average_last"]
