@@ -24,8 +24,10 @@ from torch import nn
 from vaswani_hf import fast_paths_vaswani, kernels_vaswani
 from vaswani_hf.fast_paths_vaswani import inference_fast_paths, training_fast_paths
 
-needs_onednn = pytest.mark.skipif(not kernels_vaswani.has_onednn_linear(), reason="this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise), so generate() packs no "
-                                  "weights and installs no packed fast path: there is no cached state to test")
+needs_onednn = pytest.mark.skipif(
+    not kernels_vaswani.has_onednn_linear(),
+    reason="this torch build has no oneDNN linear, so generate() packs no weights and installs no packed fast path: "
+           "there is no cached state to test")
 PLAIN = {nn.Linear, nn.Dropout}
 
 # The weights generate() decodes with ----------------------------------------------------------------------------------
