@@ -190,10 +190,12 @@ def test_translate_and_see_the_attention(page, served):
     assert shown.size == core.draw_heads(third, "decoder").size
 
 
+# No two neighbours share a message: a message already shown would pass before its own request is answered, and the
+# next click, made while that request runs, would be dropped (a button's click fires once at a time).
 BAD_INPUTS = [
     ("", 4, "the text is empty"),
-    ("      ", 4, "the text is empty"),
     ("x" * 10_001, 4, "10,001 characters; the page translates at most 10,000"),
+    ("      ", 4, "the text is empty"),
     ("Ein Hund läuft.", 0, "Beam size must be a whole number from 1 to 12; got 0"),
     ("Ein Hund läuft.", 40, "Beam size must be a whole number from 1 to 12; got 40"),
 ]
