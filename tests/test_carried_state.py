@@ -137,10 +137,15 @@ def test_an_interrupt_anywhere_in_an_installation_leaves_the_model_as_it_was(kin
                        reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5))
 
 
-def test_training_and_decoding_interleaved_in_two_threads_on_one_model():
-    """One thread enters and leaves the training fast paths around forward passes while another beam-searches
-    with the same model (its encoder-decoder attention needs "vaswani_sdpa" the whole call): no call fails, every
-    decode equals the plain model's at those weights, and the model ends as it began."""
+@pytest.mark.parametrize("first", ["search", "training"])
+def test_training_and_decoding_interleaved_in_two_threads_on_one_model(first):
+    """One thread is inside the training fast paths around a forward pass while another is in the middle of a beam
+    search with the same model (its encoder-decoder attention needs "vaswani_sdpa" the whole call). The search pauses
+    at its third step until the training thread has left its fast paths; the training thread enters them before the
+    search starts (`first="training"`) or at that pause (`"search"`). No call fails, every decode equals the plain
+    model's at those weights, and the model ends as it began."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
     model = tiny_model(dropout=0.0)
     for parameter in model.parameters():
         parameter.requires_grad_(False)  # the steps compute gradients of nothing: the weights stay, decodes compare
@@ -149,24 +154,48 @@ def test_training_and_decoding_interleaved_in_two_threads_on_one_model():
     reference.use_cpu_packed_linears = False
     expected = reference.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8)
     labels, _ = padded_batch(seed=3, length=7)
-    errors, results, stop = [], [], threading.Event()
+    errors, results, steps, rounds = [], [], [], 6
+    entered, paused, left = threading.Semaphore(0), threading.Semaphore(0), threading.Semaphore(0)
+
+    class PauseForTraining(LogitsProcessor):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 3:
+                paused.release()
+                assert left.acquire(timeout=60), "the training thread did not leave its fast paths"
+            return scores
 
     def train():
         try:
-            while not stop.is_set():
-                with training_fast_paths(model, 0.1):  # installed and undone around a step's forward
-                    model(input_ids=ids, attention_mask=mask, labels=labels)
+            for _ in range(rounds):
+                if first == "search":
+                    assert paused.acquire(timeout=60), "the search did not pause"
+                try:
+                    with training_fast_paths(model, 0.1):
+                        if first == "training":
+                            entered.release()
+                            assert paused.acquire(timeout=60), "the search did not pause"
+                        model(input_ids=ids, attention_mask=mask, labels=labels)
+                    steps.append(1)
+                finally:
+                    left.release()
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
     def generate():
         try:
-            for _ in range(12):
-                results.append(model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8))
-        except Exception as error:  # noqa: BLE001 - reported below
+            for _ in range(rounds):
+                if first == "training":
+                    assert entered.acquire(timeout=60), "the training thread did not enter its fast paths"
+                results.append(model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8,
+                                              logits_processor=LogitsProcessorList([PauseForTraining()])))
+        except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
-        finally:
-            stop.set()
+            for _ in range(rounds):
+                paused.release()  # the training thread goes on to its end
 
     threads = [threading.Thread(target=train), threading.Thread(target=generate)]
     for thread in threads:
@@ -174,7 +203,8 @@ def test_training_and_decoding_interleaved_in_two_threads_on_one_model():
     for thread in threads:
         thread.join()
     assert not errors, errors
-    assert len(results) == 12 and all(torch.equal(result, expected) for result in results)
+    assert len(steps) == rounds, "a training step inside each search"
+    assert len(results) == rounds and all(torch.equal(result, expected) for result in results)
     assert module_types(model) == PLAIN and model.config._attn_implementation == "sdpa"
     assert not fast_paths_vaswani._INSTALLED and "forward" not in model.__dict__
 
