@@ -92,14 +92,25 @@ def bench_ct2(
         threads: CPU threads for both engines (default `torch.get_num_threads()`).
     Returns:
         `{"sentences_per_second": {engine: median}, "ratio_to_ours": {...}, "agreement_with_ours": {...},
-        "torch_int8_to_ct2_int8": ratio or None, "runs": {engine: [seconds, ...]}, ...}`.
+        "torch_int8_to_ct2_int8": ratio or None, "runs": {engine: [seconds, ...]}, ...}`; torch's thread count is
+        restored.
     """
+    previous = torch.get_num_threads()
+    threads = threads or previous
+    torch.set_num_threads(threads)
+    try:
+        return _bench_ct2(model, tokenizer, inputs, sentences, batch_size, num_beams, length_penalty, new_tokens,
+                          threads, repetitions, engines)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _bench_ct2(model, tokenizer, inputs, sentences, batch_size, num_beams, length_penalty, new_tokens, threads,
+               repetitions, engines) -> dict:
     import ctranslate2
 
     from vaswani_hf.decoding.ct2 import convert_to_ct2
 
-    threads = threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
     model = model.eval()
     if tokenizer is not None:
         inputs = tokenizer(list(sentences))["input_ids"]

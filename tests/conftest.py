@@ -14,6 +14,19 @@ from vaswani_hf import train_joint_bpe
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A test module must leave torch's thread count at 1: the tests after it in its process compare results
+    bitwise with runs in other processes, and another thread count rounds differently."""
+    result = yield
+    if nextitem is None or nextitem.module is not item.module:
+        threads = torch.get_num_threads()
+        if threads != 1:
+            torch.set_num_threads(1)
+            raise AssertionError(f"{item.module.__name__} left torch's thread count at {threads}, not 1")
+    return result
+
+
 @pytest.fixture(scope="session")
 def parallel_text() -> tuple[list[str], list[str]]:
     return list(GERMAN), list(ENGLISH)

@@ -42,6 +42,15 @@ WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, COPY_VOCA
 pytestmark = pytest.mark.isa
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_kept():
+    """A `ctranslate2.Translator` sets OpenMP's thread count, torch's too, to its intra_threads: put back after each
+    test, since later tests in this process compare bitwise with other processes at torch's count."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _tokens(ids):
     return [[WORDS[i] for i in row[row.ne(PAD)].tolist()] for row in ids]
 
