@@ -192,7 +192,7 @@ def test_training_and_decoding_interleaved_in_two_threads_on_one_model(first):
                     assert entered.acquire(timeout=60), "the training thread did not enter its fast paths"
                 results.append(model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8,
                                               logits_processor=LogitsProcessorList([PauseForTraining()])))
-        except BaseException as error:  # noqa: BLE001 - reported below
+        except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
             for _ in range(rounds):
                 paused.release()  # the training thread goes on to its end

@@ -8,13 +8,13 @@ the target tokens of the whole update. Dropout is off (`dropout=0.0`) so that no
 is float32 rounding where sums are taken in another order (an all-reduce over more ranks or another backend sums
 per-rank partial sums where one process keeps a running sum): relative differences of about 1e-7, which Adam's first
 steps can amplify where a gradient entry is near zero. The tests allow LOSS_RTOL = 1e-5 relative on the losses and
-PARAM_ATOL on the parameters; a wrong normalization (e.g. the mean of per-batch means) is off by percents. The key
-projections' biases are compared apart: softmax ignores a shift shared by all keys, so their gradient is zero but for
-rounding, and Adam turns that rounding into steps of +-lr whose signs depend on the thread count (observed: 1 against
-2 threads of the same process moved them apart by 0.014 while every other parameter agreed within 2e-6); they must
-only stay within Adam's bound, the sum of the learning rates logged. With 2 processes over gloo the runs agree to
-the bit in a fresh process (observed): a sum of two terms does not depend on the order, and the x2 / 2 of the
-rescaling and of DDP's averaging is exact in binary floating point. The two ranks of one run hold
+PARAM_ATOL on the parameters; a wrong normalization (e.g. the mean of per-batch means) is off by percents. With 2
+processes over gloo the runs agree to the bit (observed): a sum of two terms does not depend on the order, and the
+x2 / 2 of the rescaling and of DDP's averaging is exact in binary floating point. That needs one torch thread in
+every process (the launched ones and this one, which tests/conftest.py holds at 1): the key projections' biases have
+a zero gradient but for rounding (softmax ignores a shift shared by all keys), and Adam turns that rounding into
+steps of +-lr, so 1 against 2 threads of one process moved them apart by 0.014 (observed; every other parameter
+within 2e-6). The two ranks of one run hold
 bitwise identical parameters (same all-reduced gradients, same optimizer), which is asserted exactly. Every process,
 this one included, multiplies with BLAS (VASWANI_CPU_MATMUL=blas): the kernels would otherwise time oneDNN against
 BLAS in each process, and two processes that pick differently round differently.
@@ -127,15 +127,10 @@ def no_trainer_log(run_dir: Path) -> list[dict]:
     return json.loads((run_dir / "trainer_state.json").read_text())["log_history"]
 
 
-def assert_params_close(a: dict, b: dict, atol: float, learning_rates: list[float]) -> None:
-    """Within `atol`, but the key biases (zero gradient up to rounding): within the sum of the learning rates."""
+def assert_params_close(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
-    difference = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
-    key_biases = [k for k in a if k.endswith("k_proj.bias")]
-    assert key_biases, "the model has key biases"
-    worst, name = max((difference[k], k) for k in a if k not in key_biases)
+    worst, name = max(((a[k].float() - b[k].float()).abs().max().item(), k) for k in a)
     assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}, in {name}"
-    assert max(difference[k] for k in key_biases) <= 1.05 * sum(learning_rates), "a key bias beyond Adam's bound"
 
 
 # -- sharding ---------------------------------------------------------------------------------------------------------
@@ -202,9 +197,7 @@ def test_trainer_on_two_processes_matches_one_process_accumulating(two, single):
     rank0, rank1 = (torch.load(two / f"trainer_params_{rank}.pt") for rank in (0, 1))
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), "the ranks hold the same parameters"
     reference = VaswaniForConditionalGeneration.from_pretrained(one).state_dict()
-    state = json.loads((one / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
-    assert_params_close(rank0, reference, PARAM_ATOL,
-                        [log["learning_rate"] for log in state["log_history"] if "learning_rate" in log])
+    assert_params_close(rank0, reference, PARAM_ATOL)
 
 
 def test_no_trainer_on_two_processes_matches_one_process_accumulating(two, single):
@@ -217,7 +210,7 @@ def test_no_trainer_on_two_processes_matches_one_process_accumulating(two, singl
     assert [e["learning_rate"] for e in log_two] == [e["learning_rate"] for e in log_one]
     rank0, rank1 = (torch.load(two / f"no_trainer_params_{rank}.pt") for rank in (0, 1))
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), "the ranks hold the same parameters"
-    assert_params_close(rank0, model.state_dict(), PARAM_ATOL, [e["learning_rate"] for e in log_one])
+    assert_params_close(rank0, model.state_dict(), PARAM_ATOL)
 
 
 def test_no_trainer_loop_agrees_with_trainer(single):
