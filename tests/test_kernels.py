@@ -90,6 +90,21 @@ def test_cpu_dropout_keeps_one_minus_p_and_scales_the_kept_elements():
     assert abs(shared.prod(1).mean().item() - 0.0625) > 0.2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_dropout_float_mask_is_the_threshold_rule_on_the_random_quarters(dtype):
+    """The float mask clamp(q - t + 1, 0, 1) keeps exactly the elements whose 16-bit quarter q is >= t, and the
+    output is `where(keep, x, 0) * scale` rounded as `F.dropout` rounds it, bit for bit."""
+    x = (torch.rand(257, 63) + 0.5).to(dtype)  # an element count that is not a multiple of 4
+    p = 0.1
+    torch.manual_seed(5)
+    out = cpu_dropout(x, p)
+    torch.manual_seed(5)
+    bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+    keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= -(2**15) + round(p * 2**16)
+    assert torch.equal(out, torch.where(keep, x, 0.0).mul_(1 / (1 - p)))
+    assert 0 < int((~keep).sum()) < x.numel()
+
+
 def test_cpu_dropout_gradient_is_the_mask_times_the_scale():
     torch.manual_seed(1)
     x = (torch.rand(64, 33) + 0.5).requires_grad_()

@@ -36,32 +36,43 @@ logger = logging.get_logger(__name__)
 # Dropout -------------------------------------------------------------------------------------------------------------
 
 
-def _dropout_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
-    """A bool mask of `x`'s shape, each element True (kept) with probability 1 - p to within 2^-17.
-
-    torch's CPU `bernoulli_` spends about 6 ns per element; here one 64-bit random draw decides four elements: an
-    element is kept when its 16-bit quarter is at least -2^15 + round(p * 2^16) (for p = 0.1: kept with probability
-    0.899994), a fraction of `bernoulli_`'s time (benchmarks/bench_dropout.py)."""
+def _dropout_bits(x: torch.Tensor) -> torch.Tensor:
+    """Random 16-bit integers q of `x`'s shape, uniform on [-2^15, 2^15): one 64-bit draw for four elements (torch's
+    CPU `bernoulli_` spends about 6 ns per element, this a fraction of it; benchmarks/bench_dropout.py)."""
     numel = x.numel()
     bits = torch.empty((numel + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
-    return bits.view(torch.int16)[:numel].view(x.shape) >= -(2**15) + round(p * 2**16)
+    return bits.view(torch.int16)[:numel].view(x.shape)
+
+
+def _dropout_keep_mask(bits: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """The keep mask of `_dropout_bits`: 1 where q >= t = -2^15 + round(p * 2^16) (kept with probability 1 - p to
+    within 2^-17; for p = 0.1, 0.899994), else 0, scaled by 1 / (1 - p) for fp32, in `dtype`. Made in float
+    arithmetic, clamp(q - t + 1, 0, 1) (exactly 0 or 1 for integers q): on a CPU torch's comparisons and `where` on
+    bool masks take several times as long as a float product of the same size."""
+    threshold = -(2**15) + round(p * 2**16)
+    keep = bits.to(torch.float32).sub_(threshold - 1).clamp_(0.0, 1.0)
+    return keep.mul_(1.0 / (1.0 - p)) if dtype == torch.float32 else keep.to(dtype)
 
 
 class _CPUDropoutFunction(torch.autograd.Function):
     """Inverted dropout: kept elements scaled by 1 / (1 - p), as `F.dropout`; the backward pass applies the same mask
-    and scale. The mask is kept for the backward pass as 1 byte per element (`F.dropout` keeps a 4-byte one)."""
+    and scale. A product with the float mask each way (fp32: the scaled mask; other dtypes: the 0/1 mask, then the
+    scale, rounded as `F.dropout` rounds it). The backward pass remakes the mask from the random integers, kept as 2
+    bytes per element (`F.dropout` keeps a 4-byte float mask)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
-        keep = _dropout_keep_mask(x, p)
-        ctx.scale = 1.0 / (1.0 - p)
-        ctx.save_for_backward(keep)
-        return torch.where(keep, x, 0.0).mul_(ctx.scale)
+        bits = _dropout_bits(x)
+        ctx.p, ctx.scale = p, 1.0 if x.dtype == torch.float32 else 1.0 / (1.0 - p)
+        ctx.save_for_backward(bits)
+        out = torch.mul(x, _dropout_keep_mask(bits, p, x.dtype))
+        return out if ctx.scale == 1.0 else out.mul_(ctx.scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (keep,) = ctx.saved_tensors
-        return torch.where(keep, grad, 0.0).mul_(ctx.scale), None
+        (bits,) = ctx.saved_tensors
+        grad = torch.mul(grad, _dropout_keep_mask(bits, ctx.p, grad.dtype))
+        return (grad if ctx.scale == 1.0 else grad.mul_(ctx.scale)), None
 
 
 def cpu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
