@@ -3,9 +3,10 @@ process.
 
 The training commands' CPU dropout (`CPUDropout` in vaswani_hf/kernels_vaswani.py, swapped in for `nn.Dropout` by
 `training_fast_paths`) draws one 64-bit random number per four elements and applies the mask as a float product; the
-baseline is what runs on a GPU or under `torch.compile`: `F.dropout` (torch's `bernoulli_`). Both run the same model, batch and
-optimizer with every other fast path of the step; the order alternates every repetition and the script prints the
-median step of each and their ratio (> 1: the CPU path is faster), the median of the per-repetition ratios beside it.
+baseline is what runs on a GPU or under `torch.compile`: `F.dropout` (torch's `bernoulli_`). Both run the same model,
+batch and optimizer with every other fast path of the step; the order alternates every repetition and the script prints
+the median step of each and their ratio (> 1: the CPU path is faster), the median of the per-repetition ratios beside
+it.
 
     python benchmarks/bench_dropout.py                      # paper base dims, the benchmark's 64x32 random batch
     python benchmarks/bench_dropout.py --d-model 256 --layers 3 --heads 4 --d-ff 1024   # the cpu preset's dims
