@@ -546,6 +546,116 @@ def test_beam_search_leaves_finished_sentences_out_and_returns_the_same(kwargs):
     assert torch.equal(with_scores.sequences, everything)  # returning scores: every step on the whole batch
 
 
+def _stock_generate(model, **kwargs):
+    """transformers' own beam search loop, every step on the whole batch."""
+    model.lean_beam_search, model.skip_finished_sentences = False, False
+    try:
+        return model.generate(**kwargs)
+    finally:
+        model.lean_beam_search, model.skip_finished_sentences = True, None
+
+
+def _count_calls(monkeypatch, cls, name) -> list:
+    calls = []
+    original = getattr(cls, name)
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[2] if name == "run_side_by_side" else len(args[0]))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_beams=4),
+    dict(num_beams=4, early_stopping=True, num_return_sequences=3),
+    dict(num_beams=3, early_stopping=False, length_penalty=0.0),
+    dict(num_beams=4, early_stopping="never", length_penalty=0.6),
+    dict(num_beams=4, early_stopping=False, length_penalty=1.0),  # hypotheses improve after all beams finished
+    dict(num_beams=5, length_penalty=1.4, length_penalty_style="gnmt"),
+    dict(num_beams=2, early_stopping=True, num_return_sequences=2, length_penalty=-0.5),
+    dict(num_beams=4, max_new_tokens=3),
+])
+def test_lean_beam_search_returns_transformers_sequences(kwargs, monkeypatch):
+    """`LeanBeamSearch` (per-beam top-k, the first step once per sentence, finished sentences dropped from every
+    state) returns token for token what transformers' loop returns on the whole batch, for a batch and for one
+    sentence alone, with both length penalties and every early-stopping mode."""
+    from vaswani_hf.generation_vaswani import LeanBeamSearch
+
+    calls = _count_calls(monkeypatch, LeanBeamSearch, "run")
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=3, batch=12, min_len=1, max_len=9)
+    kwargs = {"max_new_tokens": 20, **kwargs}
+    lean = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert calls == [ids.shape[0] * kwargs["num_beams"]]
+    stock = _stock_generate(model, input_ids=ids, attention_mask=mask, **kwargs)
+    assert lean.shape == stock.shape and torch.equal(lean, stock)
+    assert sentences_differing_from_greedy(model, stock, kwargs, input_ids=ids, attention_mask=mask,
+                                           max_new_tokens=kwargs["max_new_tokens"]) >= 1
+    for row in (0, 5):  # one sentence: the lean search too, the same tokens as transformers' loop alone
+        alone = model.generate(input_ids=ids[row:row + 1], attention_mask=mask[row:row + 1], **kwargs)
+        assert torch.equal(alone, _stock_generate(model, input_ids=ids[row:row + 1],
+                                                  attention_mask=mask[row:row + 1], **kwargs))
+    assert len(calls) == 3
+
+
+def test_lean_beam_search_keeps_a_padded_batch_and_a_decoder_prefix():
+    """Padding in the sources and a forced decoder prefix: the lean search returns transformers' sequences."""
+    model = tiny_model()
+    ids, mask = padded_batch(length=9)
+    prefix = torch.tensor([[1, 7, 8]] * ids.shape[0])
+    for extra in ({}, {"decoder_input_ids": prefix}):
+        lean = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, **extra, **SHORT)
+        assert torch.equal(lean, _stock_generate(model, input_ids=ids, attention_mask=mask, num_beams=4, **extra,
+                                                 **SHORT))
+        if extra:
+            assert torch.equal(lean[:, :3], prefix)
+
+
+def test_beam_search_with_a_logits_processor_keeps_transformers_loop(monkeypatch):
+    """A logits processor (`no_repeat_ngram_size`) is something the lean search does not run: transformers' loop runs
+    (leaving finished sentences out) and returns its sequences."""
+    from vaswani_hf.generation_vaswani import LeanBeamSearch
+
+    calls = _count_calls(monkeypatch, LeanBeamSearch, "run")
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=4, batch=8, min_len=3, max_len=9)
+    kwargs = dict(num_beams=4, no_repeat_ngram_size=2, max_new_tokens=20)
+    out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert calls == []
+    assert torch.equal(out, _stock_generate(model, input_ids=ids, attention_mask=mask, **kwargs))
+    assert not torch.equal(out, model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=20))
+
+
+def test_beam_search_on_two_threads_runs_sentences_side_by_side_with_the_same_tokens(monkeypatch):
+    """With two torch threads on a CPU, beam search runs two groups of sentences at once, one thread each, returns the
+    one-thread sequences (in the batch's order) and gives torch its two threads back, also when a search fails."""
+    from vaswani_hf.generation_vaswani import LeanBeamSearch
+
+    workers = _count_calls(monkeypatch, LeanBeamSearch, "run_side_by_side")
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=5, batch=9, min_len=1, max_len=9)
+    kwargs = dict(num_beams=4, num_return_sequences=2, max_new_tokens=20)
+    one = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    first = model.generate(input_ids=ids[:1], attention_mask=mask[:1], **kwargs)
+    assert workers == []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        assert workers == [2] and torch.get_num_threads() == 2
+        assert torch.equal(two, one)
+        assert torch.equal(model.generate(input_ids=ids[:1], attention_mask=mask[:1], **kwargs), first)
+        assert workers == [2]  # one sentence: no second group
+        monkeypatch.setattr(LeanBeamSearch, "run", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_private_generation_hooks_overridden_are_transformers_own_and_say_why():
     """An override of a GenerationMixin method that transformers renamed or dropped would silently stop running: every
     private method of `VaswaniGenerationMixin` that is not its own helper is one that the installed GenerationMixin

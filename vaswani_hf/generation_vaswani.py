@@ -6,7 +6,10 @@ forward knows none of it: everything here enters through `generate()`'s hooks an
   the call), and the generation hooks that keep one encoder row per sentence, make the in-place cache, leave finished
   sentences out of beam search and reorder only the self-attention cache;
 - `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer;
-- `FinishedSentenceSkipping`: the state of one beam search that leaves out the sentences it has finished;
+- `LeanBeamSearch`: transformers' beam search with CTranslate2's bookkeeping (per-beam top-k, the first step once per
+  sentence, finished sentences out of every state, sentences side by side on a CPU's threads), the same sequences;
+- `FinishedSentenceSkipping`: the state of one beam search that leaves out the sentences it has finished, where
+  transformers' loop runs (logits processors);
 - `CACHE_NAME`, `one_cache`: the cache keyword, `cache=` (transformers >= 5.24) or `past_key_values=`.
 
 It imports only torch, transformers, `fast_paths_vaswani.py` and `inputs_vaswani.py`: transformers copies it beside the
@@ -23,6 +26,7 @@ import warnings
 import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.modeling_outputs import Seq2SeqLMOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -201,6 +205,7 @@ class VaswaniSelfAttentionCache(DynamicCache):
 
     def __init__(self, capacity: int = 0):
         super().__init__()
+        self.capacity = capacity
         self.layer_class_to_replicate = functools.partial(VaswaniSelfAttentionCacheLayer, capacity)
 
 
@@ -299,19 +304,25 @@ class FinishedSentenceSkipping(LogitsProcessor):
         if len(new_rows) == len(old_rows):
             self_cache.reorder_cache(sources)
         else:
-            for layer in self_cache.layers:
-                layer.select_rows(sources)
-            if isinstance(cache, EncoderDecoderCache):
-                sentence_position = torch.full((self.batch,), -1, dtype=torch.long, device=self.device)
-                sentence_position[old_sentences] = torch.arange(len(old_sentences), device=self.device)
-                kept = sentence_position[open_now]
-                for layer in cache.cross_attention_cache.layers:
-                    if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                        layer.keys = layer.keys.index_select(0, kept)
-                        layer.values = layer.values.index_select(0, kept)
+            sentence_position = torch.full((self.batch,), -1, dtype=torch.long, device=self.device)
+            sentence_position[old_sentences] = torch.arange(len(old_sentences), device=self.device)
+            keep_cache_rows(cache, sources, sentence_position[open_now])
             self._encoder = None
         self.sentences, self.rows = open_now, new_rows
         return True
+
+
+def keep_cache_rows(cache: Cache, rows: torch.LongTensor, sentences: torch.LongTensor) -> None:
+    """Keep the self-attention cache rows `rows` (fewer than now, in that order: beams follow their parents as they
+    go) and the encoder-decoder cache rows `sentences` (one per sentence): a beam search dropping finished sentences."""
+    self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    for layer in self_cache.layers:
+        layer.select_rows(rows)
+    if isinstance(cache, EncoderDecoderCache):
+        for layer in cache.cross_attention_cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, sentences)
+                layer.values = layer.values.index_select(0, sentences)
 
 
 # transformers' LogitsProcessorList inspects each processor's signature at every step; a stored one is read at once
@@ -322,6 +333,216 @@ FinishedSentenceSkipping.__call__.__signature__ = inspect.signature(FinishedSent
 # one model decodes for several threads at once.
 _SKIPPING: contextvars.ContextVar[FinishedSentenceSkipping | None] = contextvars.ContextVar(
     "finished_sentence_skipping", default=None)
+
+
+# Beam search over the open sentences only ----------------------------------------------------------------------------
+
+
+_NEG = -1.0e9  # transformers' score of an excluded candidate
+
+
+class LeanBeamSearch:
+    """transformers' beam search (`GenerationMixin._beam_search`) with CTranslate2's bookkeeping: the same arithmetic
+    on the same numbers, so the same sequences, without the work that changes none of them.
+
+    - Each beam's best `2 x beams` log-probabilities are taken before the beam scores are added: a sentence's best
+      `2 x beams` candidates over `beams x V` are among them, and each candidate's sum is the same single addition, so
+      the sums added and ranked are `beams x 2 x beams` instead of `beams x V` per sentence.
+    - The logits are not copied; sequences are held as long as they are, not in `max_length` buffers.
+    - The first step runs once per sentence (its beams hold the same start token).
+    - A sentence leaves every state tensor and the cache (`keep_cache_rows`) after the step that makes its hypotheses
+      final: all `beams` finished, with `early_stopping=True` or once no running beam can do better
+      (`FinishedSentenceSkipping` says why this returns what transformers returns).
+
+    It decodes where `applies` holds: no logits processors and no stopping criteria but the maximum length and `</s>`
+    (transformers' defaults), only sequences returned (no scores, attentions or cache), beams not sampled, the
+    in-place self-attention cache, one encoder row per sentence. `run` returns the `(batch x num_return_sequences,
+    length)` sequences that `_beam_search` returns, ending in transformers' fill value (`pad_token_id or eos`).
+    """
+
+    model_inputs = frozenset({"encoder_outputs", "attention_mask", CACHE_NAME, "use_cache", "logits_to_keep",
+                              "output_attentions", "output_hidden_states"})
+
+    def __init__(self, model, generation_config: GenerationConfig, eos: torch.Tensor | None, max_length: int):
+        self.model, self.config, self.max_length, self.eos = model, generation_config, max_length, eos
+        # read here, in the caller's context: `run_side_by_side`'s threads do not see its context variables
+        self.gnmt = _LENGTH_PENALTY_STYLE.get() == "gnmt" and bool(generation_config.length_penalty)
+        config_eos = generation_config._eos_token_tensor
+        self.fill = int(generation_config._pad_token_tensor or config_eos[0]) if config_eos is not None else -1
+
+    @classmethod
+    def applies(cls, model, input_ids: torch.LongTensor, logits_processor, stopping_criteria,
+                generation_config: GenerationConfig, model_kwargs: dict):
+        """A `LeanBeamSearch` for this beam search, or None where it cannot return what transformers returns (the
+        caller has checked the rest: sequences only, beams not sampled, the in-place cache, shared encoder rows)."""
+        if len(logits_processor) or not set(model_kwargs) <= cls.model_inputs \
+                or model_kwargs.get("output_attentions") or model_kwargs.get("output_hidden_states") \
+                or getattr(generation_config, "prefill_chunk_size", None) is not None:
+            return None
+        eos, lengths = [], []
+        for criterion in stopping_criteria:
+            if type(criterion) is MaxLengthCriteria:
+                lengths.append(criterion.max_length)
+            elif type(criterion) is EosTokenCriteria:
+                eos.append(criterion.eos_token_id.to(input_ids.device).flatten())
+            else:
+                return None
+        beams = generation_config.num_beams
+        prompt = input_ids.view(-1, beams, input_ids.shape[1])
+        if not lengths or not bool(prompt.eq(prompt[:, :1]).all()):
+            return None
+        return cls(model, generation_config, torch.cat(eos) if eos else None, min(lengths))
+
+    def run(self, input_ids: torch.LongTensor, model_kwargs: dict) -> torch.LongTensor:
+        """Beam search from the `(batch x beams, P)` decoder prompt `input_ids`; `model_kwargs` as `_beam_search`
+        takes them (the encoder output, its mask, the empty cache)."""
+        config, model, max_length = self.config, self.model, self.max_length
+        beams, alpha, early = config.num_beams, config.length_penalty, config.early_stopping
+        eos, gnmt, fill, device = self.eos, self.gnmt, self.fill, input_ids.device
+        keep = max(2, 1 + (len(eos) if eos is not None else 0)) * beams  # candidates kept per sentence
+        top_beams = torch.arange(keep, device=device) < beams
+        prompt_length = cur = input_ids.shape[1]
+        running = input_ids.view(-1, beams, cur)  # (b, beams, cur): the open sentences' running hypotheses
+        batch = running.shape[0]
+        scores = torch.zeros(batch, beams, device=device)
+        scores[:, 1:] = _NEG  # the beams of a sentence start alike: only the first one's candidates count
+        finished = running.clone()  # (b, beams, width): the best finished hypotheses, best first
+        finished_scores = torch.full((batch, beams), _NEG, device=device)
+        finished_lengths = torch.zeros(batch, beams, dtype=torch.long, device=device)
+        is_finished = torch.zeros(batch, beams, dtype=torch.bool, device=device)
+        improvable = torch.ones(batch, 1, dtype=torch.bool, device=device)
+        sentences = torch.arange(batch, device=device)  # the open ones, by their index in the batch
+        results: dict[int, tuple] = {}
+        cache = model_kwargs[CACHE_NAME]
+        encoder_outputs = model_kwargs["encoder_outputs"]
+        states, mask = encoder_outputs.last_hidden_state, model_kwargs.get("attention_mask")
+        extra = {name: model_kwargs[name] for name in ("logits_to_keep",) if name in model_kwargs}
+        ids, first = running[:, 0], True
+        while True:
+            encoder = copy.copy(encoder_outputs)
+            encoder["last_hidden_state"] = states
+            outputs = model(decoder_input_ids=ids, encoder_outputs=encoder, attention_mask=mask, use_cache=True,
+                            return_dict=True, **{CACHE_NAME: cache}, **extra)
+            log_probs = torch.log_softmax(outputs.logits[:, -1].float(), dim=-1)  # (rows, V)
+            del outputs
+            open_count = len(sentences)
+            per_beam = min(keep, log_probs.shape[-1])
+            values, tokens = log_probs.topk(per_beam)
+            del log_probs
+            if first:  # one row per sentence: every beam's
+                values = values[:, None].expand(open_count, beams, per_beam)
+                tokens = tokens[:, None].expand(open_count, beams, per_beam)
+            sums = (values.view(open_count, beams, per_beam) + scores[:, :, None]).reshape(open_count, -1)
+            top_scores, flat = sums.topk(keep)  # (b, keep), best first
+            parents = flat.div(per_beam, rounding_mode="floor")
+            new_tokens = tokens.reshape(open_count, -1).gather(1, flat)
+            candidates = torch.cat((running.gather(1, parents[:, :, None].expand(-1, -1, cur)), new_tokens[:, :, None]),
+                                   dim=2)  # (b, keep, cur + 1)
+            hits = torch.isin(new_tokens, eos) if eos is not None else torch.zeros_like(new_tokens, dtype=torch.bool)
+            if cur + 1 >= max_length:
+                hits.fill_(True)
+            # the running beams of the next step: the best candidates not finished
+            running_scores = top_scores + hits.to(torch.float32) * _NEG
+            chosen = running_scores.topk(beams).indices
+            running = candidates.gather(1, chosen[:, :, None].expand(-1, -1, cur + 1))
+            scores = running_scores.gather(1, chosen)
+            beam_rows = parents.gather(1, chosen)
+            # the finished hypotheses: transformers' `_update_finished_beams`, operation by operation
+            length = cur + 1 - prompt_length
+            finishing = top_scores
+            if gnmt:  # ((5 + |Y|) / 6)^alpha in place of |Y|^alpha, as `_update_finished_beams` below applies it
+                finishing = finishing * (length ** float(alpha) / ((5 + length) / 6) ** float(alpha))
+            finishing = finishing / (length**alpha)
+            finishing += (is_finished.all(dim=-1, keepdim=True) & (early is True)).to(torch.float32) * _NEG
+            finishing += (~improvable).to(torch.float32) * _NEG
+            just_finished = hits & top_beams[None, :]
+            finishing += (~just_finished) * _NEG
+            merged_scores = torch.cat((finished_scores, finishing), dim=1)
+            picked = merged_scores.topk(beams).indices
+            widened = torch.cat((finished, finished.new_full((open_count, beams, cur + 1 - finished.shape[2]), fill)),
+                                dim=2)
+            finished = torch.cat((widened, candidates), dim=1).gather(1, picked[:, :, None].expand(-1, -1, cur + 1))
+            finished_scores = merged_scores.gather(1, picked)
+            finished_lengths = torch.cat((finished_lengths, finished_lengths.new_full((open_count, keep), length)),
+                                         dim=1).gather(1, picked)
+            is_finished = torch.cat((is_finished, just_finished), dim=1).gather(1, picked)
+            done = is_finished.all(dim=-1)
+            if early is not True:
+                done &= ~improvable.view(-1)
+            # transformers' early-stopping heuristic, for the next step
+            cur += 1
+            hypothetical = max_length - prompt_length if early == "never" and alpha > 0.0 else cur - prompt_length
+            best_possible = scores[:, :1] / (hypothetical**alpha)
+            worst_finished = torch.where(is_finished, finished_scores.min(dim=1, keepdim=True)[0], _NEG)
+            improvable = improvable & (best_possible > worst_finished).any(dim=-1, keepdim=True)
+            if bool(hits.all()) or not bool(improvable.any()) or bool(done.all()):
+                break
+            if first:
+                for layer in (cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache).layers:
+                    layer.batch_repeat_interleave(beams)
+                first = False
+            if bool(done.any()):
+                for index in done.nonzero().flatten().tolist():
+                    results[int(sentences[index])] = (finished[index], finished_lengths[index])
+                kept = (~done).nonzero().flatten()
+                rows = (kept[:, None] * beams + beam_rows.index_select(0, kept)).flatten()
+                keep_cache_rows(cache, rows, kept)
+                running, scores, finished, finished_scores, finished_lengths, is_finished, improvable, sentences = (
+                    tensor.index_select(0, kept) for tensor in (running, scores, finished, finished_scores,
+                                                                 finished_lengths, is_finished, improvable, sentences))
+                states = states.index_select(0, kept)
+                mask = mask.index_select(0, kept) if mask is not None else None
+            else:
+                rows = (torch.arange(open_count, device=device)[:, None] * beams + beam_rows).flatten()
+                (cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache).reorder_cache(rows)
+            ids = running[:, :, -1].reshape(-1, 1)
+        for index, sentence in enumerate(sentences.tolist()):
+            results[sentence] = (finished[index], finished_lengths[index])
+        returned = config.num_return_sequences
+        length = prompt_length + max(int(lengths[:returned].max()) for _, lengths in results.values())
+        sequences = torch.full((batch, returned, length), fill, dtype=torch.long, device=device)
+        for sentence, (hypotheses, _) in results.items():
+            width = min(hypotheses.shape[1], length)
+            sequences[sentence, :, :width] = hypotheses[:returned, :width]
+        return sequences.view(batch * returned, length)
+
+    def run_side_by_side(self, input_ids: torch.LongTensor, model_kwargs: dict, workers: int) -> torch.LongTensor:
+        """`run` on `workers` groups of the sentences at once (sentence i in group i mod `workers`), one torch thread
+        each, and the sequences put back in order: a beam search's small products and its Python bookkeeping gain
+        less from threads sharing each product than from searches side by side. The same sequences as `run`."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        beams, device = self.config.num_beams, input_ids.device
+        batch = input_ids.shape[0] // beams
+        groups = [torch.arange(start, batch, workers, device=device) for start in range(workers)]
+        states, mask = model_kwargs["encoder_outputs"].last_hidden_state, model_kwargs.get("attention_mask")
+        capacity = model_kwargs[CACHE_NAME].self_attention_cache.capacity
+        grad = torch.is_grad_enabled()  # thread-local, as autocast is (`_beam_search` decodes side by side without it)
+
+        @torch.set_grad_enabled(grad)
+        def search(group: torch.LongTensor) -> torch.LongTensor:
+            encoder = copy.copy(model_kwargs["encoder_outputs"])
+            encoder["last_hidden_state"] = states.index_select(0, group)
+            kwargs = {**model_kwargs, "encoder_outputs": encoder,
+                      CACHE_NAME: EncoderDecoderCache(VaswaniSelfAttentionCache(capacity), DynamicCache())}
+            if mask is not None:
+                kwargs["attention_mask"] = mask.index_select(0, group)
+            rows = (group[:, None] * beams + torch.arange(beams, device=device)).flatten()
+            return self.run(input_ids.index_select(0, rows), kwargs)
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="beam_search") as pool:
+                outputs = list(pool.map(search, groups))
+        finally:
+            torch.set_num_threads(threads)
+        returned = self.config.num_return_sequences
+        length = max(output.shape[1] for output in outputs)
+        sequences = torch.full((batch, returned, length), self.fill, dtype=torch.long, device=device)
+        for group, output in zip(groups, outputs, strict=True):
+            sequences[group, :, : output.shape[1]] = output.view(len(group), returned, -1)
+        return sequences.view(batch * returned, length)
 
 
 # The generation mixin -------------------------------------------------------------------------------------------------
@@ -337,6 +558,7 @@ class VaswaniGenerationMixin(GenerationMixin):
 
     use_cpu_packed_linears: bool = True  # see fast_paths_vaswani.inference_fast_paths
     skip_finished_sentences: bool | None = None  # see _beam_search(): None = on a CPU only
+    lean_beam_search: bool = True  # see _beam_search(): False = transformers' loop, through the hooks
 
     @staticmethod
     def default_generation_config(config: PretrainedConfig) -> GenerationConfig:
@@ -462,12 +684,15 @@ class VaswaniGenerationMixin(GenerationMixin):
     def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                      **model_kwargs):
         """transformers' beam search. Where only the sequences are returned (no `return_dict_in_generate`, so no
-        scores, attentions or cache either) and beams are not sampled, the decoding steps leave the sentences that beam
-        search has finished out of the batch (`FinishedSentenceSkipping`, for this call only): the same sequences,
-        computed for the open sentences only. `skip_finished_sentences` (the class attribute) chooses: None (the
-        default) on a CPU only, True everywhere, False nowhere: on a CPU a step costs in proportion to the rows it
-        computes, on a GPU it costs kernel launches whatever the rows, and the skipping adds a host sync per step
-        (benchmarks/bench_generation_paths.py measures both)."""
+        scores, attentions or cache either) and beams are not sampled, the finished sentences leave the batch: with no
+        logits processors and only the maximum-length and `</s>` stopping criteria, `LeanBeamSearch` runs the search
+        (on a CPU, sentences side by side, one torch thread each, where torch has several threads and autocast is
+        off); otherwise transformers' loop runs with `FinishedSentenceSkipping` (for this call only). Either returns
+        the same sequences as transformers' loop on the whole batch. `skip_finished_sentences` (the class attribute)
+        chooses: None (the default) on a CPU only, True everywhere, False nowhere (transformers' loop as it is): on a
+        CPU a step costs in proportion to the rows it computes, on a GPU it costs kernel launches whatever the rows,
+        and leaving sentences out adds a host sync per step (benchmarks/bench_generation_paths.py measures both).
+        `lean_beam_search = False` keeps transformers' loop, with the skipping."""
         # Private hook: the only one that sees the call's resolved GenerationConfig before beam search's first step.
         cache = model_kwargs.get(CACHE_NAME)
         encoder_outputs = model_kwargs.get("encoder_outputs")
@@ -483,9 +708,15 @@ class VaswaniGenerationMixin(GenerationMixin):
                     and model_kwargs.get("decoder_attention_mask") is None
                     and isinstance(cache, EncoderDecoderCache)
                     and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
-                    and torch.is_tensor(states) and states.shape[0] > 1 and beams > 1
-                    and input_ids.shape[0] == states.shape[0] * beams)
-        if not eligible:
+                    and torch.is_tensor(states) and beams > 1 and input_ids.shape[0] == states.shape[0] * beams)
+        lean = LeanBeamSearch.applies(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                      model_kwargs) if eligible and self.lean_beam_search else None
+        if lean is not None:
+            workers = min(torch.get_num_threads(), states.shape[0]) \
+                if input_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu") else 1
+            return lean.run_side_by_side(input_ids, model_kwargs, workers) if workers > 1 \
+                else lean.run(input_ids, model_kwargs)
+        if not eligible or states.shape[0] == 1:
             return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
                                         synced_gpus, **model_kwargs)
         skipping = FinishedSentenceSkipping(states.shape[0], beams, input_ids.device)
