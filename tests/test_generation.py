@@ -22,6 +22,7 @@ import pytest
 import torch
 from helpers import GERMAN, copy_sources, padded_batch, sentences_differing_from_greedy, tiny_model, trained_copy_model
 from transformers import (
+    GenerationConfig,
     GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
@@ -613,19 +614,94 @@ def test_lean_beam_search_keeps_a_padded_batch_and_a_decoder_prefix():
             assert torch.equal(lean[:, :3], prefix)
 
 
-def test_beam_search_with_a_logits_processor_keeps_transformers_loop(monkeypatch):
-    """A logits processor (`no_repeat_ngram_size`) is something the lean search does not run: transformers' loop runs
-    (leaving finished sentences out) and returns its sequences."""
+@pytest.mark.parametrize("kwargs", [
+    dict(no_repeat_ngram_size=2), dict(min_new_tokens=6), dict(repetition_penalty=1.5), dict(suppress_tokens=[5, 6]),
+])
+def test_lean_beam_search_applies_transformers_row_wise_logits_processors(kwargs, monkeypatch):
+    """transformers' processors that read each row alone (`LeanBeamSearch.ROW_WISE`) run inside the lean search, on
+    the open rows: the sequences are transformers' loop's, and the processor changed them."""
     from vaswani_hf.generation_vaswani import LeanBeamSearch
 
     calls = _count_calls(monkeypatch, LeanBeamSearch, "run")
     model = trained_copy_model(steps=40)
     ids, mask = copy_sources(seed=4, batch=8, min_len=3, max_len=9)
-    kwargs = dict(num_beams=4, no_repeat_ngram_size=2, max_new_tokens=20)
+    kwargs = dict(num_beams=4, max_new_tokens=20, **kwargs)
+    out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert calls == [ids.shape[0] * 4]
+    assert torch.equal(out, _stock_generate(model, input_ids=ids, attention_mask=mask, **kwargs))
+    plain = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=20)
+    assert out.shape != plain.shape or not torch.equal(out, plain)
+
+
+def test_beam_search_with_another_logits_processor_keeps_transformers_loop(monkeypatch):
+    """A logits processor the lean search cannot run on fewer rows (one it does not know, without `for_sentences`):
+    transformers' loop runs (leaving finished sentences out) and returns its sequences."""
+    from vaswani_hf.generation_vaswani import LeanBeamSearch
+
+    class BanToken(LogitsProcessor):  # bans token 9 in the batch's first row: it needs to see every row
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            scores[0, 9] = -float("inf")
+            return scores
+
+    calls = _count_calls(monkeypatch, LeanBeamSearch, "run")
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=4, batch=8, min_len=3, max_len=9)
+    kwargs = dict(num_beams=4, max_new_tokens=20, logits_processor=LogitsProcessorList([BanToken()]))
     out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert calls == []
     assert torch.equal(out, _stock_generate(model, input_ids=ids, attention_mask=mask, **kwargs))
-    assert not torch.equal(out, model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=20))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paper_hypotheses_come_from_the_lean_search_with_transformers_sequences_and_scores(threads, monkeypatch):
+    """`beam_search_hypotheses` (the choice on validation, `paper_generate`): per-sentence length limits
+    (`SourceLengthLimitLogitsProcessor.for_sentences`) and `sequences_scores` (`output_sequences_scores`) in the lean
+    search, on one thread and side by side on two; the sequences are transformers' loop's and the scores agree
+    within float32 rounding."""
+    from vaswani_hf.decoding.paper import beam_search_hypotheses
+    from vaswani_hf.generation_vaswani import LeanBeamSearch
+
+    calls = _count_calls(monkeypatch, LeanBeamSearch, "run")
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=3, batch=12, min_len=1, max_len=9)
+    saved = torch.get_num_threads()
+    try:
+        for max_len_b in (50, 2):  # 2: most sentences stop at their own limit, before </s>
+            torch.set_num_threads(threads)
+            lean = beam_search_hypotheses(model, ids, mask, num_beams=4, max_len_b=max_len_b)
+            torch.set_num_threads(1)
+            model.lean_beam_search = False
+            stock = beam_search_hypotheses(model, ids, mask, num_beams=4, max_len_b=max_len_b)
+            model.lean_beam_search = True
+            assert torch.equal(lean.sequences, stock.sequences) and torch.equal(lean.lengths, stock.lengths)
+            assert torch.equal(lean.valid, stock.valid)
+            torch.testing.assert_close(lean.scores, stock.scores, rtol=0, atol=1e-5)
+            if max_len_b == 2:  # each sentence's own limit holds, and binds
+                limits = mask.sum(1, keepdim=True) + 2
+                assert bool((lean.lengths <= limits).all()) and bool((lean.lengths == limits).any())
+    finally:
+        torch.set_num_threads(saved)
+    assert len(calls) == 2 * threads
+
+
+def test_output_sequences_scores_returns_transformers_sequences_scores_without_the_step_scores():
+    """`output_sequences_scores=True` in the generation config beside `return_dict_in_generate=True`: the sequences
+    and transformers' `sequences_scores` (what `output_scores=True` returns), not the per-step scores, from the lean
+    search and from transformers' loop alike."""
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=3, batch=6, min_len=1, max_len=9)
+    config = GenerationConfig(num_beams=4, max_new_tokens=20, num_return_sequences=2, length_penalty=0.6,
+                              return_dict_in_generate=True, decoder_start_token_id=model.config.decoder_start_token_id,
+                              eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id)
+    reference = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, output_scores=True)
+    config.output_sequences_scores = True
+    for lean in (True, False):
+        model.lean_beam_search = lean
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        assert torch.equal(out.sequences, reference.sequences) and out.scores is None
+        torch.testing.assert_close(out.sequences_scores, reference.sequences_scores, rtol=0, atol=1e-5)
+    model.lean_beam_search = True
 
 
 def test_beam_search_on_two_threads_runs_sentences_side_by_side_with_the_same_tokens(monkeypatch):

@@ -26,6 +26,7 @@ import warnings
 import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.generation import GenerateBeamEncoderDecoderOutput, logits_process
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.modeling_outputs import Seq2SeqLMOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -354,17 +355,27 @@ class LeanBeamSearch:
       final: all `beams` finished, with `early_stopping=True` or once no running beam can do better
       (`FinishedSentenceSkipping` says why this returns what transformers returns).
 
-    It decodes where `applies` holds: no logits processors and no stopping criteria but the maximum length and `</s>`
-    (transformers' defaults), only sequences returned (no scores, attentions or cache), beams not sampled, the
-    in-place self-attention cache, one encoder row per sentence. `run` returns the `(batch x num_return_sequences,
-    length)` sequences that `_beam_search` returns, ending in transformers' fill value (`pad_token_id or eos`).
+    It decodes where `applies` holds: logits processors that are a function of each row alone (`ROW_WISE`) or that
+    say which sentences they are for (a `for_sentences(sentences)` method returning the processor of those sentences
+    of the batch, by index), no stopping criteria but the maximum length and `</s>` (transformers' defaults), only
+    sequences returned (no per-step scores, attentions or cache; `sequences_scores` with the generation config's
+    `output_sequences_scores`), beams not sampled, the in-place self-attention cache, one encoder row per sentence.
+    `run` returns the `(batch x num_return_sequences, length)` sequences that `_beam_search` returns, ending in
+    transformers' fill value (`pad_token_id or eos`), and their `(batch x num_return_sequences,)` scores.
     """
+
+    # transformers' processors whose output row is a function of its own input row and scores only
+    ROW_WISE = tuple(getattr(logits_process, name) for name in (
+        "NoRepeatNGramLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
+        "RepetitionPenaltyLogitsProcessor", "SuppressTokensLogitsProcessor") if hasattr(logits_process, name))
 
     model_inputs = frozenset({"encoder_outputs", "attention_mask", CACHE_NAME, "use_cache", "logits_to_keep",
                               "output_attentions", "output_hidden_states"})
 
-    def __init__(self, model, generation_config: GenerationConfig, eos: torch.Tensor | None, max_length: int):
+    def __init__(self, model, generation_config: GenerationConfig, eos: torch.Tensor | None, max_length: int,
+                 processors=()):
         self.model, self.config, self.max_length, self.eos = model, generation_config, max_length, eos
+        self.processors = list(processors)
         # read here, in the caller's context: `run_side_by_side`'s threads do not see its context variables
         self.gnmt = _LENGTH_PENALTY_STYLE.get() == "gnmt" and bool(generation_config.length_penalty)
         config_eos = generation_config._eos_token_tensor
@@ -375,7 +386,8 @@ class LeanBeamSearch:
                 generation_config: GenerationConfig, model_kwargs: dict):
         """A `LeanBeamSearch` for this beam search, or None where it cannot return what transformers returns (the
         caller has checked the rest: sequences only, beams not sampled, the in-place cache, shared encoder rows)."""
-        if len(logits_processor) or not set(model_kwargs) <= cls.model_inputs \
+        if not all(isinstance(p, cls.ROW_WISE) or callable(getattr(p, "for_sentences", None))
+                   for p in logits_processor) or not set(model_kwargs) <= cls.model_inputs \
                 or model_kwargs.get("output_attentions") or model_kwargs.get("output_hidden_states") \
                 or getattr(generation_config, "prefill_chunk_size", None) is not None:
             return None
@@ -391,11 +403,24 @@ class LeanBeamSearch:
         prompt = input_ids.view(-1, beams, input_ids.shape[1])
         if not lengths or not bool(prompt.eq(prompt[:, :1]).all()):
             return None
-        return cls(model, generation_config, torch.cat(eos) if eos else None, min(lengths))
+        return cls(model, generation_config, torch.cat(eos) if eos else None, min(lengths), logits_processor)
 
-    def run(self, input_ids: torch.LongTensor, model_kwargs: dict) -> torch.LongTensor:
+    def _processed(self, processors: list, sentences: torch.LongTensor, running: torch.LongTensor,
+                   first: bool, log_probs: torch.FloatTensor) -> torch.FloatTensor:
+        """transformers' `logits_processor(sequences, log_probs)` on the open rows (one per sentence at the first
+        step, whose beams all hold the prompt)."""
+        sequences = (running[:, 0] if first else running.flatten(0, 1))
+        for processor in processors:
+            if callable(getattr(processor, "for_sentences", None)):
+                processor = processor.for_sentences(sentences)
+            log_probs = processor(sequences, log_probs)
+        return log_probs
+
+    def run(self, input_ids: torch.LongTensor, model_kwargs: dict, processors: list | None = None):
         """Beam search from the `(batch x beams, P)` decoder prompt `input_ids`; `model_kwargs` as `_beam_search`
-        takes them (the encoder output, its mask, the empty cache)."""
+        takes them (the encoder output, its mask, the empty cache); `processors` (default: the call's) for these
+        sentences. Returns `(sequences, sequences_scores)`."""
+        processors = self.processors if processors is None else processors
         config, model, max_length = self.config, self.model, self.max_length
         beams, alpha, early = config.num_beams, config.length_penalty, config.early_stopping
         eos, gnmt, fill, device = self.eos, self.gnmt, self.fill, input_ids.device
@@ -426,6 +451,8 @@ class LeanBeamSearch:
             log_probs = torch.log_softmax(outputs.logits[:, -1].float(), dim=-1)  # (rows, V)
             del outputs
             open_count = len(sentences)
+            if processors:
+                log_probs = self._processed(processors, sentences, running, first, log_probs)
             per_beam = min(keep, log_probs.shape[-1])
             values, tokens = log_probs.topk(per_beam)
             del log_probs
@@ -483,7 +510,7 @@ class LeanBeamSearch:
                 first = False
             if bool(done.any()):
                 for index in done.nonzero().flatten().tolist():
-                    results[int(sentences[index])] = (finished[index], finished_lengths[index])
+                    results[int(sentences[index])] = (finished[index], finished_lengths[index], finished_scores[index])
                 kept = (~done).nonzero().flatten()
                 rows = (kept[:, None] * beams + beam_rows.index_select(0, kept)).flatten()
                 keep_cache_rows(cache, rows, kept)
@@ -497,19 +524,22 @@ class LeanBeamSearch:
                 (cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache).reorder_cache(rows)
             ids = running[:, :, -1].reshape(-1, 1)
         for index, sentence in enumerate(sentences.tolist()):
-            results[sentence] = (finished[index], finished_lengths[index])
+            results[sentence] = (finished[index], finished_lengths[index], finished_scores[index])
         returned = config.num_return_sequences
-        length = prompt_length + max(int(lengths[:returned].max()) for _, lengths in results.values())
+        length = prompt_length + max(int(lengths[:returned].max()) for _, lengths, _ in results.values())
         sequences = torch.full((batch, returned, length), fill, dtype=torch.long, device=device)
-        for sentence, (hypotheses, _) in results.items():
+        sequence_scores = torch.empty(batch, returned, device=device)
+        for sentence, (hypotheses, _, hypothesis_scores) in results.items():
             width = min(hypotheses.shape[1], length)
             sequences[sentence, :, :width] = hypotheses[:returned, :width]
-        return sequences.view(batch * returned, length)
+            sequence_scores[sentence] = hypothesis_scores[:returned]
+        return sequences.view(batch * returned, length), sequence_scores.view(-1)
 
-    def run_side_by_side(self, input_ids: torch.LongTensor, model_kwargs: dict, workers: int) -> torch.LongTensor:
+    def run_side_by_side(self, input_ids: torch.LongTensor, model_kwargs: dict, workers: int):
         """`run` on `workers` groups of the sentences at once (sentence i in group i mod `workers`), one torch thread
         each, and the sequences put back in order: a beam search's small products and its Python bookkeeping gain
-        less from threads sharing each product than from searches side by side. The same sequences as `run`."""
+        less from threads sharing each product than from searches side by side. The same sequences and scores as
+        `run`."""
         from concurrent.futures import ThreadPoolExecutor
 
         beams, device = self.config.num_beams, input_ids.device
@@ -528,7 +558,9 @@ class LeanBeamSearch:
             if mask is not None:
                 kwargs["attention_mask"] = mask.index_select(0, group)
             rows = (group[:, None] * beams + torch.arange(beams, device=device)).flatten()
-            return self.run(input_ids.index_select(0, rows), kwargs)
+            processors = [p.for_sentences(group) if callable(getattr(p, "for_sentences", None)) else p
+                          for p in self.processors]
+            return self.run(input_ids.index_select(0, rows), kwargs, processors)
 
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -538,11 +570,13 @@ class LeanBeamSearch:
         finally:
             torch.set_num_threads(threads)
         returned = self.config.num_return_sequences
-        length = max(output.shape[1] for output in outputs)
+        length = max(output.shape[1] for output, _ in outputs)
         sequences = torch.full((batch, returned, length), self.fill, dtype=torch.long, device=device)
-        for group, output in zip(groups, outputs, strict=True):
+        sequence_scores = torch.empty(batch, returned, device=device)
+        for group, (output, group_scores) in zip(groups, outputs, strict=True):
             sequences[group, :, : output.shape[1]] = output.view(len(group), returned, -1)
-        return sequences.view(batch * returned, length)
+            sequence_scores[group] = group_scores.view(len(group), returned)
+        return sequences.view(batch * returned, length), sequence_scores.view(-1)
 
 
 # The generation mixin -------------------------------------------------------------------------------------------------
@@ -684,14 +718,17 @@ class VaswaniGenerationMixin(GenerationMixin):
     def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                      **model_kwargs):
         """transformers' beam search. Where only the sequences are returned (no `return_dict_in_generate`, so no
-        scores, attentions or cache either) and beams are not sampled, the finished sentences leave the batch: with no
-        logits processors and only the maximum-length and `</s>` stopping criteria, `LeanBeamSearch` runs the search
-        (on a CPU, sentences side by side, one torch thread each, where torch has several threads and autocast is
-        off); otherwise transformers' loop runs with `FinishedSentenceSkipping` (for this call only). Either returns
-        the same sequences as transformers' loop on the whole batch. `skip_finished_sentences` (the class attribute)
-        chooses: None (the default) on a CPU only, True everywhere, False nowhere (transformers' loop as it is): on a
-        CPU a step costs in proportion to the rows it computes, on a GPU it costs kernel launches whatever the rows,
-        and leaving sentences out adds a host sync per step (benchmarks/bench_generation_paths.py measures both).
+        scores, attentions or cache either; or, with the generation config's `output_sequences_scores=True` beside
+        `return_dict_in_generate=True`, the sequences and their `sequences_scores`, without the per-step `scores` or
+        `beam_indices`) and beams are not sampled, the finished sentences leave the batch: with logits processors
+        `LeanBeamSearch` can run (`LeanBeamSearch.ROW_WISE`, or with a `for_sentences` method) and only the
+        maximum-length and `</s>` stopping criteria, `LeanBeamSearch` runs the search (on a CPU, sentences side by
+        side, one torch thread each, where torch has several threads and autocast is off); otherwise transformers'
+        loop runs with `FinishedSentenceSkipping` (for this call only). Either returns the same sequences as
+        transformers' loop on the whole batch. `skip_finished_sentences` (the class attribute) chooses: None (the
+        default) on a CPU only, True everywhere, False nowhere (transformers' loop as it is): on a CPU a step costs
+        in proportion to the rows it computes, on a GPU it costs kernel launches whatever the rows, and leaving
+        sentences out adds a host sync per step (benchmarks/bench_generation_paths.py measures both).
         `lean_beam_search = False` keeps transformers' loop, with the skipping."""
         # Private hook: the only one that sees the call's resolved GenerationConfig before beam search's first step.
         cache = model_kwargs.get(CACHE_NAME)
@@ -701,10 +738,12 @@ class VaswaniGenerationMixin(GenerationMixin):
         skip = self.skip_finished_sentences
         if skip is None:
             skip = input_ids.device.type == "cpu"
+        scores_only = bool(getattr(generation_config, "output_sequences_scores", False)
+                           and generation_config.return_dict_in_generate and not generation_config.output_scores)
         eligible = (skip and not synced_gpus and not generation_config.do_sample
+                    and (not generation_config.return_dict_in_generate or scores_only)
                     and not any(getattr(generation_config, name, False) for name in
-                                ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
-                                 "output_hidden_states"))
+                                ("output_scores", "output_logits", "output_attentions", "output_hidden_states"))
                     and model_kwargs.get("decoder_attention_mask") is None
                     and isinstance(cache, EncoderDecoderCache)
                     and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
@@ -714,8 +753,17 @@ class VaswaniGenerationMixin(GenerationMixin):
         if lean is not None:
             workers = min(torch.get_num_threads(), states.shape[0]) \
                 if input_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu") else 1
-            return lean.run_side_by_side(input_ids, model_kwargs, workers) if workers > 1 \
+            sequences, sequences_scores = lean.run_side_by_side(input_ids, model_kwargs, workers) if workers > 1 \
                 else lean.run(input_ids, model_kwargs)
+            return GenerateBeamEncoderDecoderOutput(sequences=sequences, sequences_scores=sequences_scores) \
+                if scores_only else sequences
+        if scores_only:  # transformers' loop gives `sequences_scores` with the per-step scores only
+            generation_config = copy.copy(generation_config)
+            generation_config.output_scores = True
+            outputs = super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
+                                           synced_gpus, **model_kwargs)
+            outputs.scores = None
+            return outputs
         if not eligible or states.shape[0] == 1:
             return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
                                         synced_gpus, **model_kwargs)

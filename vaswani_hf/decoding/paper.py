@@ -172,6 +172,12 @@ class SourceLengthLimitLogitsProcessor(LogitsProcessor):
             scores[:, self.eos_token_id] = eos
         return scores
 
+    def for_sentences(self, sentences: torch.LongTensor) -> "SourceLengthLimitLogitsProcessor":
+        """The processor of the sentences `sentences` (indices into this one's batch, in their order): what a beam
+        search that leaves finished sentences out applies to the rows of the open ones."""
+        return SourceLengthLimitLogitsProcessor(self.max_new_tokens.to(sentences.device).index_select(0, sentences),
+                                                self.eos_token_id, self.decoder_prompt_length)
+
 
 @dataclass
 class FinishedHypotheses:
@@ -315,7 +321,8 @@ def beam_search_hypotheses(
     """Run transformers' beam search and return all `num_beams` finished hypotheses per sentence with raw scores.
 
     `generate` is called with `early_stopping=True`, `length_penalty=0.0`, `num_return_sequences=num_beams`,
-    `output_scores=True` and a `SourceLengthLimitLogitsProcessor` (see the module docstring).
+    `sequences_scores` asked for (a Vaswani model's `output_sequences_scores`, another model's `output_scores`) and a
+    `SourceLengthLimitLogitsProcessor` (see the module docstring).
 
     Args:
         model: a `VaswaniForConditionalGeneration` (any encoder-decoder `GenerationMixin` model works); put it
@@ -336,8 +343,11 @@ def beam_search_hypotheses(
     limits = _position_limited(model, max_output_lengths(attention_mask, max_len_a, max_len_b).to(input_ids.device))
     batch = input_ids.shape[0]
     config = _generation_config(num_beams, int(limits.max()), eos, pad, start)
-    config.update(early_stopping=True, length_penalty=0.0, num_return_sequences=num_beams, output_scores=True,
+    # a Vaswani model returns the finished scores without every step's (batch x beams, V) scores
+    lean = hasattr(model, "lean_beam_search")
+    config.update(early_stopping=True, length_penalty=0.0, num_return_sequences=num_beams, output_scores=not lean,
                   return_dict_in_generate=True)
+    config.output_sequences_scores = lean
     with _only(model):
         out = model.generate(
             input_ids=input_ids,
