@@ -732,6 +732,59 @@ def test_beam_search_on_two_threads_runs_sentences_side_by_side_with_the_same_to
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(max_new_tokens=3), dict(no_repeat_ngram_size=2), dict(min_new_tokens=6),
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lean_greedy_search_returns_transformers_sequences(kwargs, threads, monkeypatch):
+    """Greedy search drops finished sentences from its steps (`LeanGreedySearch`; side by side on two threads) and
+    returns token for token what transformers' `_sample` returns on the whole batch, for a batch and one sentence."""
+    from vaswani_hf.generation_vaswani import LeanGreedySearch
+
+    calls = _count_calls(monkeypatch, LeanGreedySearch, "run")
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=3, batch=12, min_len=1, max_len=9)
+    kwargs = {"num_beams": 1, "do_sample": False, "max_new_tokens": 20, **kwargs}
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lean = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        alone = model.generate(input_ids=ids[4:5], attention_mask=mask[4:5], **kwargs)
+    finally:
+        torch.set_num_threads(saved)
+    assert calls == ([ids.shape[0]] if threads == 1 else [6, 6]) + [1]  # rows per search: 12, or 6 and 6 at once
+    stock = _stock_generate(model, input_ids=ids, attention_mask=mask, **kwargs)
+    assert lean.shape == stock.shape and torch.equal(lean, stock)
+    assert torch.equal(alone, _stock_generate(model, input_ids=ids[4:5], attention_mask=mask[4:5], **kwargs))
+    lengths = stock.ne(model.config.pad_token_id).sum(1)
+    assert int(lengths.min()) < int(lengths.max())  # sentences ended at different steps: rows were dropped
+
+
+def test_greedy_search_with_a_streamer_or_scores_keeps_transformers_loop(monkeypatch):
+    """A streamer, or scores returned, keep transformers' `_sample`: the lean greedy search does not run."""
+    from transformers import TextStreamer
+
+    from vaswani_hf.generation_vaswani import LeanGreedySearch
+
+    calls = _count_calls(monkeypatch, LeanGreedySearch, "run")
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=3, batch=1, min_len=3, max_len=6)
+    seen = []
+
+    class Tokens:  # a tokenizer stand-in that records what the streamer decodes
+        def decode(self, tokens, **kwargs):
+            seen.append(list(tokens))
+            return ""
+
+    plain = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, do_sample=False, max_new_tokens=20)
+    streamed = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, do_sample=False, max_new_tokens=20,
+                              streamer=TextStreamer(Tokens()))
+    scored = model.generate(input_ids=ids, attention_mask=mask, num_beams=1, do_sample=False, max_new_tokens=20,
+                            return_dict_in_generate=True, output_scores=True)
+    assert calls == [1] and torch.equal(streamed, plain) and torch.equal(scored.sequences, plain)
+    assert len(scored.scores) == plain.shape[1] - 1 and seen and seen[-1] == plain[0].tolist()  # start token too
+
+
 def test_the_private_generation_hooks_overridden_are_transformers_own_and_say_why():
     """An override of a GenerationMixin method that transformers renamed or dropped would silently stop running: every
     private method of `VaswaniGenerationMixin` that is not its own helper is one that the installed GenerationMixin
@@ -745,7 +798,7 @@ def test_the_private_generation_hooks_overridden_are_transformers_own_and_say_wh
     helpers = set()
     hooks = private - helpers
     assert hooks == {"_expand_inputs_for_generation", "_prepare_cache_for_generation", "_beam_search",
-                     "_update_finished_beams", "_reorder_cache", "_prepare_generated_length"}
+                     "_update_finished_beams", "_reorder_cache", "_prepare_generated_length", "_sample"}
     assert not helpers & set(dir(GenerationMixin))  # our helpers override nothing
     for name in hooks - {"_reorder_cache"}:
         assert name in dir(GenerationMixin), name

@@ -569,14 +569,100 @@ class LeanBeamSearch:
                 outputs = list(pool.map(search, groups))
         finally:
             torch.set_num_threads(threads)
-        returned = self.config.num_return_sequences
+        returned = self.config.num_return_sequences if beams > 1 else 1
         length = max(output.shape[1] for output, _ in outputs)
         sequences = torch.full((batch, returned, length), self.fill, dtype=torch.long, device=device)
-        sequence_scores = torch.empty(batch, returned, device=device)
+        sequence_scores = torch.empty(batch, returned, device=device) if beams > 1 else None
         for group, (output, group_scores) in zip(groups, outputs, strict=True):
             sequences[group, :, : output.shape[1]] = output.view(len(group), returned, -1)
-            sequence_scores[group] = group_scores.view(len(group), returned)
-        return sequences.view(batch * returned, length), sequence_scores.view(-1)
+            if sequence_scores is not None:
+                sequence_scores[group] = group_scores.view(len(group), returned)
+        return sequences.view(batch * returned, length), \
+            sequence_scores.view(-1) if sequence_scores is not None else None
+
+
+class LeanGreedySearch(LeanBeamSearch):
+    """transformers' greedy search (`GenerationMixin._sample` without sampling) with the same bookkeeping as
+    `LeanBeamSearch`: a sentence that has produced `</s>` leaves every state tensor and the cache after that step (its
+    row then holds the fill value, as transformers' rows do), the logits are read where the model wrote them, and the
+    sequences grow in one preallocated buffer. `applies` as for beam search; `run` returns the `(batch, length)`
+    sequences `_sample` returns, and None for the scores."""
+
+    def run(self, input_ids: torch.LongTensor, model_kwargs: dict, processors: list | None = None):
+        """Greedy search from the `(batch, P)` decoder prompt `input_ids`; `model_kwargs` as `_sample` takes them."""
+        processors = self.processors if processors is None else processors
+        model, max_length, eos, device = self.model, self.max_length, self.eos, input_ids.device
+        batch, cur = input_ids.shape
+        sequences = torch.full((batch, max(max_length, cur + 1)), self.fill, dtype=torch.long, device=device)
+        sequences[:, :cur] = input_ids
+        cache = model_kwargs[CACHE_NAME]
+        encoder_outputs = model_kwargs["encoder_outputs"]
+        states, mask = encoder_outputs.last_hidden_state, model_kwargs.get("attention_mask")
+        extra = {name: model_kwargs[name] for name in ("logits_to_keep",) if name in model_kwargs}
+        sentences, ids = torch.arange(batch, device=device), input_ids  # the open ones, by their index in the batch
+        while True:
+            encoder = copy.copy(encoder_outputs)
+            encoder["last_hidden_state"] = states
+            outputs = model(decoder_input_ids=ids, encoder_outputs=encoder, attention_mask=mask, use_cache=True,
+                            return_dict=True, **{CACHE_NAME: cache}, **extra)
+            scores = outputs.logits[:, -1].float()  # (open, V)
+            del outputs
+            if processors:
+                scores = scores.clone()  # processors may write in place; transformers hands them a copy
+                generated = sequences.index_select(0, sentences)[:, :cur]
+                for processor in processors:
+                    if callable(getattr(processor, "for_sentences", None)):
+                        processor = processor.for_sentences(sentences)
+                    scores = processor(generated, scores)
+            tokens = scores.argmax(dim=-1)
+            sequences[sentences, cur] = tokens
+            cur += 1
+            finished = torch.isin(tokens, eos) if eos is not None else None
+            if cur >= max_length or (finished is not None and bool(finished.all())):
+                return sequences[:, :cur], None
+            if finished is not None and bool(finished.any()):
+                kept = (~finished).nonzero().flatten()
+                keep_cache_rows(cache, kept, kept)
+                sentences, tokens, states = sentences[kept], tokens[kept], states.index_select(0, kept)
+                mask = mask.index_select(0, kept) if mask is not None else None
+            ids = tokens[:, None]
+
+
+def lean_search(model, search: type[LeanBeamSearch], input_ids: torch.LongTensor, logits_processor,
+                stopping_criteria, generation_config: GenerationConfig, synced_gpus: bool, model_kwargs: dict):
+    """A `search` (`LeanBeamSearch` or `LeanGreedySearch`) for a `_beam_search` or `_sample` call of `model`, or
+    None where transformers' loop runs: sampling, another output than the sequences (`output_sequences_scores` for
+    beams excepted), a GPU unless `skip_finished_sentences=True`, `lean_beam_search=False`, a cache other than the
+    in-place one, encoder rows other than one per sentence, or what `LeanBeamSearch.applies` refuses."""
+    skip = model.skip_finished_sentences
+    if skip is None:
+        skip = input_ids.device.type == "cpu"
+    beams = generation_config.num_beams or 1
+    scores_only = bool(beams > 1 and getattr(generation_config, "output_sequences_scores", False)
+                       and generation_config.return_dict_in_generate and not generation_config.output_scores)
+    cache = model_kwargs.get(CACHE_NAME)
+    encoder_outputs = model_kwargs.get("encoder_outputs")
+    states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
+    if not (skip and model.lean_beam_search and not synced_gpus and not generation_config.do_sample
+            and (not generation_config.return_dict_in_generate or scores_only)
+            and not any(getattr(generation_config, name, False) for name in
+                        ("output_scores", "output_logits", "output_attentions", "output_hidden_states"))
+            and model_kwargs.get("decoder_attention_mask") is None
+            and isinstance(cache, EncoderDecoderCache)
+            and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
+            and torch.is_tensor(states) and input_ids.shape[0] == states.shape[0] * beams):
+        return None
+    return search.applies(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+
+def run_lean_search(search: LeanBeamSearch, input_ids: torch.LongTensor, model_kwargs: dict):
+    """`search.run`, or on a CPU with several torch threads, autocast off and several sentences,
+    `search.run_side_by_side` over torch's threads."""
+    sentences = model_kwargs["encoder_outputs"].last_hidden_state.shape[0]
+    workers = min(torch.get_num_threads(), sentences) \
+        if input_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu") else 1
+    return search.run_side_by_side(input_ids, model_kwargs, workers) if workers > 1 \
+        else search.run(input_ids, model_kwargs)
 
 
 # The generation mixin -------------------------------------------------------------------------------------------------
@@ -731,6 +817,20 @@ class VaswaniGenerationMixin(GenerationMixin):
         sentences out adds a host sync per step (benchmarks/bench_generation_paths.py measures both).
         `lean_beam_search = False` keeps transformers' loop, with the skipping."""
         # Private hook: the only one that sees the call's resolved GenerationConfig before beam search's first step.
+        lean = lean_search(self, LeanBeamSearch, input_ids, logits_processor, stopping_criteria, generation_config,
+                           synced_gpus, model_kwargs)
+        if lean is not None:
+            sequences, sequences_scores = run_lean_search(lean, input_ids, model_kwargs)
+            return GenerateBeamEncoderDecoderOutput(sequences=sequences, sequences_scores=sequences_scores) \
+                if generation_config.return_dict_in_generate else sequences
+        if getattr(generation_config, "output_sequences_scores", False) and generation_config.return_dict_in_generate \
+                and not generation_config.output_scores:  # transformers' loop gives them with the per-step scores
+            generation_config = copy.copy(generation_config)
+            generation_config.output_scores = True
+            outputs = super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
+                                           synced_gpus, **model_kwargs)
+            outputs.scores = None
+            return outputs
         cache = model_kwargs.get(CACHE_NAME)
         encoder_outputs = model_kwargs.get("encoder_outputs")
         states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
@@ -738,33 +838,16 @@ class VaswaniGenerationMixin(GenerationMixin):
         skip = self.skip_finished_sentences
         if skip is None:
             skip = input_ids.device.type == "cpu"
-        scores_only = bool(getattr(generation_config, "output_sequences_scores", False)
-                           and generation_config.return_dict_in_generate and not generation_config.output_scores)
         eligible = (skip and not synced_gpus and not generation_config.do_sample
-                    and (not generation_config.return_dict_in_generate or scores_only)
                     and not any(getattr(generation_config, name, False) for name in
-                                ("output_scores", "output_logits", "output_attentions", "output_hidden_states"))
+                                ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                                 "output_hidden_states"))
                     and model_kwargs.get("decoder_attention_mask") is None
                     and isinstance(cache, EncoderDecoderCache)
                     and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
-                    and torch.is_tensor(states) and beams > 1 and input_ids.shape[0] == states.shape[0] * beams)
-        lean = LeanBeamSearch.applies(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                      model_kwargs) if eligible and self.lean_beam_search else None
-        if lean is not None:
-            workers = min(torch.get_num_threads(), states.shape[0]) \
-                if input_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu") else 1
-            sequences, sequences_scores = lean.run_side_by_side(input_ids, model_kwargs, workers) if workers > 1 \
-                else lean.run(input_ids, model_kwargs)
-            return GenerateBeamEncoderDecoderOutput(sequences=sequences, sequences_scores=sequences_scores) \
-                if scores_only else sequences
-        if scores_only:  # transformers' loop gives `sequences_scores` with the per-step scores only
-            generation_config = copy.copy(generation_config)
-            generation_config.output_scores = True
-            outputs = super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
-                                           synced_gpus, **model_kwargs)
-            outputs.scores = None
-            return outputs
-        if not eligible or states.shape[0] == 1:
+                    and torch.is_tensor(states) and states.shape[0] > 1 and beams > 1
+                    and input_ids.shape[0] == states.shape[0] * beams)
+        if not eligible:
             return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
                                         synced_gpus, **model_kwargs)
         skipping = FinishedSentenceSkipping(states.shape[0], beams, input_ids.device)
@@ -774,6 +857,20 @@ class VaswaniGenerationMixin(GenerationMixin):
                                         stopping_criteria, generation_config, synced_gpus, **model_kwargs)
         finally:
             _SKIPPING.reset(token)
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        """transformers' greedy search and sampling. Greedy search that returns only the sequences, with no streamer,
+        runs as `LeanGreedySearch` where `lean_search` allows it (on a CPU, sentences side by side as for beam
+        search): the same sequences, finished sentences left out of the steps after they end."""
+        # Private hook: the only one that sees greedy search's resolved config, processors and stopping criteria.
+        lean = None if streamer is not None else lean_search(
+            self, LeanGreedySearch, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+            model_kwargs)
+        if lean is not None:
+            return run_lean_search(lean, input_ids, model_kwargs)[0]
+        return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                               streamer, **model_kwargs)
 
     def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
         """transformers' model inputs of a decoding step; inside a beam search that leaves finished sentences out,
