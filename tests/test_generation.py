@@ -561,7 +561,7 @@ def _count_calls(monkeypatch, cls, name) -> list:
     original = getattr(cls, name)
 
     def counted(self, *args, **kwargs):
-        calls.append(args[2] if name == "run_side_by_side" else len(args[0]))
+        calls.append(len(args[0]))
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, name, counted)
@@ -657,8 +657,8 @@ def test_beam_search_with_another_logits_processor_keeps_transformers_loop(monke
 def test_paper_hypotheses_come_from_the_lean_search_with_transformers_sequences_and_scores(threads, monkeypatch):
     """`beam_search_hypotheses` (the choice on validation, `paper_generate`): per-sentence length limits
     (`SourceLengthLimitLogitsProcessor.for_sentences`) and `sequences_scores` (`output_sequences_scores`) in the lean
-    search, on one thread and side by side on two; the sequences are transformers' loop's and the scores agree
-    within float32 rounding."""
+    search, on one thread and on two; the sequences are transformers' loop's and the scores agree within float32
+    rounding."""
     from vaswani_hf.decoding.paper import beam_search_hypotheses
     from vaswani_hf.generation_vaswani import LeanBeamSearch
 
@@ -682,7 +682,7 @@ def test_paper_hypotheses_come_from_the_lean_search_with_transformers_sequences_
                 assert bool((lean.lengths <= limits).all()) and bool((lean.lengths == limits).any())
     finally:
         torch.set_num_threads(saved)
-    assert len(calls) == 2 * threads
+    assert len(calls) == 2
 
 
 def test_output_sequences_scores_returns_transformers_sequences_scores_without_the_step_scores():
@@ -704,32 +704,22 @@ def test_output_sequences_scores_returns_transformers_sequences_scores_without_t
     model.lean_beam_search = True
 
 
-def test_beam_search_on_two_threads_runs_sentences_side_by_side_with_the_same_tokens(monkeypatch):
-    """With two torch threads on a CPU, beam search runs two groups of sentences at once, one thread each, returns the
-    one-thread sequences (in the batch's order) and gives torch its two threads back, also when a search fails."""
+def test_beam_search_on_two_threads_returns_the_one_thread_sequences(monkeypatch):
+    """With two torch threads (sharing each product), the lean beam search returns the one-thread sequences."""
     from vaswani_hf.generation_vaswani import LeanBeamSearch
 
-    workers = _count_calls(monkeypatch, LeanBeamSearch, "run_side_by_side")
+    calls = _count_calls(monkeypatch, LeanBeamSearch, "run")
     model = trained_copy_model(steps=40)
     ids, mask = copy_sources(seed=5, batch=9, min_len=1, max_len=9)
     kwargs = dict(num_beams=4, num_return_sequences=2, max_new_tokens=20)
     one = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-    first = model.generate(input_ids=ids[:1], attention_mask=mask[:1], **kwargs)
-    assert workers == []
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         two = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        assert workers == [2] and torch.get_num_threads() == 2
-        assert torch.equal(two, one)
-        assert torch.equal(model.generate(input_ids=ids[:1], attention_mask=mask[:1], **kwargs), first)
-        assert workers == [2]  # one sentence: no second group
-        monkeypatch.setattr(LeanBeamSearch, "run", lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
-        with pytest.raises(RuntimeError, match="boom"):
-            model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+    assert calls == [36, 36] and torch.equal(two, one)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -737,8 +727,8 @@ def test_beam_search_on_two_threads_runs_sentences_side_by_side_with_the_same_to
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_lean_greedy_search_returns_transformers_sequences(kwargs, threads, monkeypatch):
-    """Greedy search drops finished sentences from its steps (`LeanGreedySearch`; side by side on two threads) and
-    returns token for token what transformers' `_sample` returns on the whole batch, for a batch and one sentence."""
+    """Greedy search drops finished sentences from its steps (`LeanGreedySearch`), on one thread or two, and returns
+    token for token what transformers' `_sample` returns on the whole batch, for a batch and one sentence."""
     from vaswani_hf.generation_vaswani import LeanGreedySearch
 
     calls = _count_calls(monkeypatch, LeanGreedySearch, "run")
@@ -752,7 +742,7 @@ def test_lean_greedy_search_returns_transformers_sequences(kwargs, threads, monk
         alone = model.generate(input_ids=ids[4:5], attention_mask=mask[4:5], **kwargs)
     finally:
         torch.set_num_threads(saved)
-    assert calls == ([ids.shape[0]] if threads == 1 else [6, 6]) + [1]  # rows per search: 12, or 6 and 6 at once
+    assert calls == [ids.shape[0], 1]
     stock = _stock_generate(model, input_ids=ids, attention_mask=mask, **kwargs)
     assert lean.shape == stock.shape and torch.equal(lean, stock)
     assert torch.equal(alone, _stock_generate(model, input_ids=ids[4:5], attention_mask=mask[4:5], **kwargs))

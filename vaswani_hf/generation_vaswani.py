@@ -7,7 +7,8 @@ forward knows none of it: everything here enters through `generate()`'s hooks an
   sentences out of beam search and reorder only the self-attention cache;
 - `VaswaniSelfAttentionCache`: the decoder self-attention cache, written in place into a preallocated buffer;
 - `LeanBeamSearch`: transformers' beam search with CTranslate2's bookkeeping (per-beam top-k, the first step once per
-  sentence, finished sentences out of every state, sentences side by side on a CPU's threads), the same sequences;
+  sentence, finished sentences out of every state), and `LeanGreedySearch`, the same for greedy search: the same
+  sequences;
 - `FinishedSentenceSkipping`: the state of one beam search that leaves out the sentences it has finished, where
   transformers' loop runs (logits processors);
 - `CACHE_NAME`, `one_cache`: the cache keyword, `cache=` (transformers >= 5.24) or `past_key_values=`.
@@ -376,7 +377,7 @@ class LeanBeamSearch:
                  processors=()):
         self.model, self.config, self.max_length, self.eos = model, generation_config, max_length, eos
         self.processors = list(processors)
-        # read here, in the caller's context: `run_side_by_side`'s threads do not see its context variables
+        # read once per call, in the caller's context
         self.gnmt = _LENGTH_PENALTY_STYLE.get() == "gnmt" and bool(generation_config.length_penalty)
         config_eos = generation_config._eos_token_tensor
         self.fill = int(generation_config._pad_token_tensor or config_eos[0]) if config_eos is not None else -1
@@ -535,51 +536,6 @@ class LeanBeamSearch:
             sequence_scores[sentence] = hypothesis_scores[:returned]
         return sequences.view(batch * returned, length), sequence_scores.view(-1)
 
-    def run_side_by_side(self, input_ids: torch.LongTensor, model_kwargs: dict, workers: int):
-        """`run` on `workers` groups of the sentences at once (sentence i in group i mod `workers`), one torch thread
-        each, and the sequences put back in order: a beam search's small products and its Python bookkeeping gain
-        less from threads sharing each product than from searches side by side. The same sequences and scores as
-        `run`."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        beams, device = self.config.num_beams, input_ids.device
-        batch = input_ids.shape[0] // beams
-        groups = [torch.arange(start, batch, workers, device=device) for start in range(workers)]
-        states, mask = model_kwargs["encoder_outputs"].last_hidden_state, model_kwargs.get("attention_mask")
-        capacity = model_kwargs[CACHE_NAME].self_attention_cache.capacity
-        grad = torch.is_grad_enabled()  # thread-local, as autocast is (`_beam_search` decodes side by side without it)
-
-        @torch.set_grad_enabled(grad)
-        def search(group: torch.LongTensor) -> torch.LongTensor:
-            encoder = copy.copy(model_kwargs["encoder_outputs"])
-            encoder["last_hidden_state"] = states.index_select(0, group)
-            kwargs = {**model_kwargs, "encoder_outputs": encoder,
-                      CACHE_NAME: EncoderDecoderCache(VaswaniSelfAttentionCache(capacity), DynamicCache())}
-            if mask is not None:
-                kwargs["attention_mask"] = mask.index_select(0, group)
-            rows = (group[:, None] * beams + torch.arange(beams, device=device)).flatten()
-            processors = [p.for_sentences(group) if callable(getattr(p, "for_sentences", None)) else p
-                          for p in self.processors]
-            return self.run(input_ids.index_select(0, rows), kwargs, processors)
-
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with ThreadPoolExecutor(workers, thread_name_prefix="beam_search") as pool:
-                outputs = list(pool.map(search, groups))
-        finally:
-            torch.set_num_threads(threads)
-        returned = self.config.num_return_sequences if beams > 1 else 1
-        length = max(output.shape[1] for output, _ in outputs)
-        sequences = torch.full((batch, returned, length), self.fill, dtype=torch.long, device=device)
-        sequence_scores = torch.empty(batch, returned, device=device) if beams > 1 else None
-        for group, (output, group_scores) in zip(groups, outputs, strict=True):
-            sequences[group, :, : output.shape[1]] = output.view(len(group), returned, -1)
-            if sequence_scores is not None:
-                sequence_scores[group] = group_scores.view(len(group), returned)
-        return sequences.view(batch * returned, length), \
-            sequence_scores.view(-1) if sequence_scores is not None else None
-
 
 class LeanGreedySearch(LeanBeamSearch):
     """transformers' greedy search (`GenerationMixin._sample` without sampling) with the same bookkeeping as
@@ -653,16 +609,6 @@ def lean_search(model, search: type[LeanBeamSearch], input_ids: torch.LongTensor
             and torch.is_tensor(states) and input_ids.shape[0] == states.shape[0] * beams):
         return None
     return search.applies(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
-
-
-def run_lean_search(search: LeanBeamSearch, input_ids: torch.LongTensor, model_kwargs: dict):
-    """`search.run`, or on a CPU with several torch threads, autocast off and several sentences,
-    `search.run_side_by_side` over torch's threads."""
-    sentences = model_kwargs["encoder_outputs"].last_hidden_state.shape[0]
-    workers = min(torch.get_num_threads(), sentences) \
-        if input_ids.device.type == "cpu" and not torch.is_autocast_enabled("cpu") else 1
-    return search.run_side_by_side(input_ids, model_kwargs, workers) if workers > 1 \
-        else search.run(input_ids, model_kwargs)
 
 
 # The generation mixin -------------------------------------------------------------------------------------------------
@@ -808,19 +754,18 @@ class VaswaniGenerationMixin(GenerationMixin):
         `return_dict_in_generate=True`, the sequences and their `sequences_scores`, without the per-step `scores` or
         `beam_indices`) and beams are not sampled, the finished sentences leave the batch: with logits processors
         `LeanBeamSearch` can run (`LeanBeamSearch.ROW_WISE`, or with a `for_sentences` method) and only the
-        maximum-length and `</s>` stopping criteria, `LeanBeamSearch` runs the search (on a CPU, sentences side by
-        side, one torch thread each, where torch has several threads and autocast is off); otherwise transformers'
-        loop runs with `FinishedSentenceSkipping` (for this call only). Either returns the same sequences as
-        transformers' loop on the whole batch. `skip_finished_sentences` (the class attribute) chooses: None (the
-        default) on a CPU only, True everywhere, False nowhere (transformers' loop as it is): on a CPU a step costs
-        in proportion to the rows it computes, on a GPU it costs kernel launches whatever the rows, and leaving
-        sentences out adds a host sync per step (benchmarks/bench_generation_paths.py measures both).
+        maximum-length and `</s>` stopping criteria, `LeanBeamSearch` runs the search (`lean_search` says where);
+        otherwise transformers' loop runs with `FinishedSentenceSkipping` (for this call only). Either returns the
+        same sequences as transformers' loop on the whole batch. `skip_finished_sentences` (the class attribute)
+        chooses: None (the default) on a CPU only, True everywhere, False nowhere (transformers' loop as it is): on a
+        CPU a step costs in proportion to the rows it computes, on a GPU it costs kernel launches whatever the rows,
+        and leaving sentences out adds a host sync per step (benchmarks/bench_generation_paths.py measures both).
         `lean_beam_search = False` keeps transformers' loop, with the skipping."""
         # Private hook: the only one that sees the call's resolved GenerationConfig before beam search's first step.
         lean = lean_search(self, LeanBeamSearch, input_ids, logits_processor, stopping_criteria, generation_config,
                            synced_gpus, model_kwargs)
         if lean is not None:
-            sequences, sequences_scores = run_lean_search(lean, input_ids, model_kwargs)
+            sequences, sequences_scores = lean.run(input_ids, model_kwargs)
             return GenerateBeamEncoderDecoderOutput(sequences=sequences, sequences_scores=sequences_scores) \
                 if generation_config.return_dict_in_generate else sequences
         if getattr(generation_config, "output_sequences_scores", False) and generation_config.return_dict_in_generate \
@@ -861,14 +806,14 @@ class VaswaniGenerationMixin(GenerationMixin):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
         """transformers' greedy search and sampling. Greedy search that returns only the sequences, with no streamer,
-        runs as `LeanGreedySearch` where `lean_search` allows it (on a CPU, sentences side by side as for beam
-        search): the same sequences, finished sentences left out of the steps after they end."""
+        runs as `LeanGreedySearch` where `lean_search` allows it: the same sequences, finished sentences left out of
+        the steps after they end."""
         # Private hook: the only one that sees greedy search's resolved config, processors and stopping criteria.
         lean = None if streamer is not None else lean_search(
             self, LeanGreedySearch, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
             model_kwargs)
         if lean is not None:
-            return run_lean_search(lean, input_ids, model_kwargs)[0]
+            return lean.run(input_ids, model_kwargs)[0]
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                                streamer, **model_kwargs)
 
