@@ -775,6 +775,60 @@ def test_greedy_search_with_a_streamer_or_scores_keeps_transformers_loop(monkeyp
     assert len(scored.scores) == plain.shape[1] - 1 and seen and seen[-1] == plain[0].tolist()  # start token too
 
 
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_lean_searches_run_stopping_criteria_that_say_which_sentences_they_are_for(num_beams, monkeypatch):
+    """A stopping criterion with `for_sentences` (as `vaswani-train`'s `StopWhen`, which ends validation when training
+    must stop) runs inside the lean searches: sequences are those of transformers' loop with the same criterion, cut
+    where it stops them."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from vaswani_hf.generation_vaswani import LeanBeamSearch, LeanGreedySearch
+
+    class StopAfter(StoppingCriteria):  # stops every sentence once its sequences reach `length` tokens
+        def __init__(self, length):
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+        def for_sentences(self, sentences):
+            return self
+
+    calls = _count_calls(monkeypatch, LeanGreedySearch if num_beams == 1 else LeanBeamSearch, "run")
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=3, batch=12, min_len=1, max_len=9)
+    for length in (4, 30):
+        kwargs = dict(num_beams=num_beams, do_sample=False, max_new_tokens=20,
+                      stopping_criteria=StoppingCriteriaList([StopAfter(length)]))
+        lean = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        assert torch.equal(lean, _stock_generate(model, input_ids=ids, attention_mask=mask, **kwargs))
+        if length == 4:  # cut at 4 tokens, the decoder start included
+            assert lean.shape[1] == 4
+        else:  # never reached: as without the criterion
+            assert torch.equal(lean, model.generate(input_ids=ids, attention_mask=mask, num_beams=num_beams,
+                                                    do_sample=False, max_new_tokens=20))
+    assert len(calls) == 3  # with the criterion, twice; without it, once
+
+
+def test_validation_cut_short_by_the_stop_signal_runs_in_the_lean_beam_search(monkeypatch):
+    """`vaswani-train`'s `StopWhen` (validation ends when training must stop) keeps validation's beam search in
+    `LeanBeamSearch`, which stops every sentence at the step the signal turns true."""
+    from transformers import StoppingCriteriaList
+
+    from vaswani_hf.generation_vaswani import LeanBeamSearch
+    from vaswani_training.train import StopWhen
+
+    calls = _count_calls(monkeypatch, LeanBeamSearch, "run")
+    model = trained_copy_model(steps=40)
+    ids, mask = copy_sources(seed=3, batch=6, min_len=5, max_len=9)
+    plain = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=20)
+    steps = []
+    stop = StopWhen(lambda: steps.append(1) or len(steps) > 8)  # asked once a step: true from the 9th
+    cut = model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=20,
+                         stopping_criteria=StoppingCriteriaList([stop]))
+    assert len(calls) == 2 and cut.shape[1] < plain.shape[1]
+
+
 def test_the_private_generation_hooks_overridden_are_transformers_own_and_say_why():
     """An override of a GenerationMixin method that transformers renamed or dropped would silently stop running: every
     private method of `VaswaniGenerationMixin` that is not its own helper is one that the installed GenerationMixin

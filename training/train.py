@@ -156,6 +156,11 @@ class StopWhen(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
         return torch.full((input_ids.shape[0],), self.requested(), dtype=torch.bool, device=input_ids.device)
 
+    def for_sentences(self, sentences: torch.LongTensor) -> StopWhen:
+        """The same criterion for any sentences of the batch (it stops all or none): what lets generate()'s lean
+        searches run it."""
+        return self
+
 
 class PaperTrainer(Seq2SeqTrainer):
     """Seq2SeqTrainer with the paper's optimizer and schedule (§5.3), token-budget training batches (§5.1), and its

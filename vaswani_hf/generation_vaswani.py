@@ -358,9 +358,10 @@ class LeanBeamSearch:
 
     It decodes where `applies` holds: logits processors that are a function of each row alone (`ROW_WISE`) or that
     say which sentences they are for (a `for_sentences(sentences)` method returning the processor of those sentences
-    of the batch, by index), no stopping criteria but the maximum length and `</s>` (transformers' defaults), only
-    sequences returned (no per-step scores, attentions or cache; `sequences_scores` with the generation config's
-    `output_sequences_scores`), beams not sampled, the in-place self-attention cache, one encoder row per sentence.
+    of the batch, by index), stopping criteria that are the maximum length, `</s>` (transformers' defaults) or have
+    such a `for_sentences` method, only sequences returned (no per-step scores, attentions or cache;
+    `sequences_scores` with the generation config's `output_sequences_scores`), beams not sampled, the in-place
+    self-attention cache, one encoder row per sentence.
     `run` returns the `(batch x num_return_sequences, length)` sequences that `_beam_search` returns, ending in
     transformers' fill value (`pad_token_id or eos`), and their `(batch x num_return_sequences,)` scores.
     """
@@ -374,9 +375,9 @@ class LeanBeamSearch:
                               "output_attentions", "output_hidden_states"})
 
     def __init__(self, model, generation_config: GenerationConfig, eos: torch.Tensor | None, max_length: int,
-                 processors=()):
+                 processors=(), criteria=()):
         self.model, self.config, self.max_length, self.eos = model, generation_config, max_length, eos
-        self.processors = list(processors)
+        self.processors, self.criteria = list(processors), list(criteria)
         # read once per call, in the caller's context
         self.gnmt = _LENGTH_PENALTY_STYLE.get() == "gnmt" and bool(generation_config.length_penalty)
         config_eos = generation_config._eos_token_tensor
@@ -392,19 +393,31 @@ class LeanBeamSearch:
                 or model_kwargs.get("output_attentions") or model_kwargs.get("output_hidden_states") \
                 or getattr(generation_config, "prefill_chunk_size", None) is not None:
             return None
-        eos, lengths = [], []
+        eos, lengths, criteria = [], [], []
         for criterion in stopping_criteria:
             if type(criterion) is MaxLengthCriteria:
                 lengths.append(criterion.max_length)
             elif type(criterion) is EosTokenCriteria:
                 eos.append(criterion.eos_token_id.to(input_ids.device).flatten())
+            elif callable(getattr(criterion, "for_sentences", None)):
+                criteria.append(criterion)
             else:
                 return None
         beams = generation_config.num_beams
         prompt = input_ids.view(-1, beams, input_ids.shape[1])
         if not lengths or not bool(prompt.eq(prompt[:, :1]).all()):
             return None
-        return cls(model, generation_config, torch.cat(eos) if eos else None, min(lengths), logits_processor)
+        return cls(model, generation_config, torch.cat(eos) if eos else None, min(lengths), logits_processor,
+                   criteria)
+
+    def _stopped(self, sentences: torch.LongTensor, sequences: torch.LongTensor) -> torch.BoolTensor | None:
+        """transformers' `stopping_criteria(sequences, None)` beyond the length and `</s>`, for the `(rows, length)`
+        sequences of the open sentences `sentences` (rows in sentence order, the same count each), or None."""
+        stopped = None
+        for criterion in self.criteria:
+            hit = criterion.for_sentences(sentences)(sequences, None)
+            stopped = hit if stopped is None else stopped | hit
+        return stopped
 
     def _processed(self, processors: list, sentences: torch.LongTensor, running: torch.LongTensor,
                    first: bool, log_probs: torch.FloatTensor) -> torch.FloatTensor:
@@ -469,6 +482,10 @@ class LeanBeamSearch:
             hits = torch.isin(new_tokens, eos) if eos is not None else torch.zeros_like(new_tokens, dtype=torch.bool)
             if cur + 1 >= max_length:
                 hits.fill_(True)
+            elif self.criteria:
+                stopped = self._stopped(sentences, candidates.flatten(0, 1))
+                if stopped is not None:
+                    hits |= stopped.view(open_count, keep)
             # the running beams of the next step: the best candidates not finished
             running_scores = top_scores + hits.to(torch.float32) * _NEG
             chosen = running_scores.topk(beams).indices
@@ -574,6 +591,9 @@ class LeanGreedySearch(LeanBeamSearch):
             sequences[sentences, cur] = tokens
             cur += 1
             finished = torch.isin(tokens, eos) if eos is not None else None
+            if self.criteria:
+                stopped = self._stopped(sentences, sequences.index_select(0, sentences)[:, :cur])
+                finished = stopped if finished is None else finished | stopped
             if cur >= max_length or (finished is not None and bool(finished.all())):
                 return sequences[:, :cur], None
             if finished is not None and bool(finished.any()):

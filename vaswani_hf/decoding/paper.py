@@ -172,7 +172,7 @@ class SourceLengthLimitLogitsProcessor(LogitsProcessor):
             scores[:, self.eos_token_id] = eos
         return scores
 
-    def for_sentences(self, sentences: torch.LongTensor) -> "SourceLengthLimitLogitsProcessor":
+    def for_sentences(self, sentences: torch.LongTensor) -> SourceLengthLimitLogitsProcessor:
         """The processor of the sentences `sentences` (indices into this one's batch, in their order): what a beam
         search that leaves finished sentences out applies to the rows of the open ones."""
         return SourceLengthLimitLogitsProcessor(self.max_new_tokens.to(sentences.device).index_select(0, sentences),
