@@ -207,7 +207,6 @@ class VaswaniSelfAttentionCache(DynamicCache):
 
     def __init__(self, capacity: int = 0):
         super().__init__()
-        self.capacity = capacity
         self.layer_class_to_replicate = functools.partial(VaswaniSelfAttentionCacheLayer, capacity)
 
 
@@ -430,11 +429,10 @@ class LeanBeamSearch:
             log_probs = processor(sequences, log_probs)
         return log_probs
 
-    def run(self, input_ids: torch.LongTensor, model_kwargs: dict, processors: list | None = None):
+    def run(self, input_ids: torch.LongTensor, model_kwargs: dict):
         """Beam search from the `(batch x beams, P)` decoder prompt `input_ids`; `model_kwargs` as `_beam_search`
-        takes them (the encoder output, its mask, the empty cache); `processors` (default: the call's) for these
-        sentences. Returns `(sequences, sequences_scores)`."""
-        processors = self.processors if processors is None else processors
+        takes them (the encoder output, its mask, the empty cache). Returns `(sequences, sequences_scores)`."""
+        processors = self.processors
         config, model, max_length = self.config, self.model, self.max_length
         beams, alpha, early = config.num_beams, config.length_penalty, config.early_stopping
         eos, gnmt, fill, device = self.eos, self.gnmt, self.fill, input_ids.device
@@ -561,9 +559,9 @@ class LeanGreedySearch(LeanBeamSearch):
     sequences grow in one preallocated buffer. `applies` as for beam search; `run` returns the `(batch, length)`
     sequences `_sample` returns, and None for the scores."""
 
-    def run(self, input_ids: torch.LongTensor, model_kwargs: dict, processors: list | None = None):
+    def run(self, input_ids: torch.LongTensor, model_kwargs: dict):
         """Greedy search from the `(batch, P)` decoder prompt `input_ids`; `model_kwargs` as `_sample` takes them."""
-        processors = self.processors if processors is None else processors
+        processors = self.processors
         model, max_length, eos, device = self.model, self.max_length, self.eos, input_ids.device
         batch, cur = input_ids.shape
         sequences = torch.full((batch, max(max_length, cur + 1)), self.fill, dtype=torch.long, device=device)
