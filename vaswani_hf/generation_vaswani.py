@@ -286,7 +286,7 @@ class FinishedSentenceSkipping(LogitsProcessor):
     def reorder(self, cache: Cache, beam_idx: torch.LongTensor) -> bool:
         """Beam search's cache reorder, dropping the rows of sentences done since the last step. Returns False when
         nothing was dropped yet (the caller then reorders as usual)."""
-        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        self_cache = self_attention_cache(cache)
         if self.step == "first":  # one row per sentence computed: every beam's row starts as its sentence's
             for layer in self_cache.layers:
                 layer.batch_repeat_interleave(self.beams)
@@ -313,11 +313,15 @@ class FinishedSentenceSkipping(LogitsProcessor):
         return True
 
 
+def self_attention_cache(cache: Cache) -> Cache:
+    """The decoder self-attention half of a generation cache (the cache itself where it has no encoder half)."""
+    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+
+
 def keep_cache_rows(cache: Cache, rows: torch.LongTensor, sentences: torch.LongTensor) -> None:
     """Keep the self-attention cache rows `rows` (fewer than now, in that order: beams follow their parents as they
     go) and the encoder-decoder cache rows `sentences` (one per sentence): a beam search dropping finished sentences."""
-    self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-    for layer in self_cache.layers:
+    for layer in self_attention_cache(cache).layers:
         layer.select_rows(rows)
     if isinstance(cache, EncoderDecoderCache):
         for layer in cache.cross_attention_cache.layers:
@@ -418,21 +422,19 @@ class LeanBeamSearch:
             stopped = hit if stopped is None else stopped | hit
         return stopped
 
-    def _processed(self, processors: list, sentences: torch.LongTensor, running: torch.LongTensor,
-                   first: bool, log_probs: torch.FloatTensor) -> torch.FloatTensor:
-        """transformers' `logits_processor(sequences, log_probs)` on the open rows (one per sentence at the first
-        step, whose beams all hold the prompt)."""
-        sequences = (running[:, 0] if first else running.flatten(0, 1))
-        for processor in processors:
+    def _processed(self, sentences: torch.LongTensor, sequences: torch.LongTensor,
+                   scores: torch.FloatTensor) -> torch.FloatTensor:
+        """transformers' `logits_processor(sequences, scores)` on the `(rows, length)` sequences of the open
+        sentences `sentences` (rows in sentence order, the same count each)."""
+        for processor in self.processors:
             if callable(getattr(processor, "for_sentences", None)):
                 processor = processor.for_sentences(sentences)
-            log_probs = processor(sequences, log_probs)
-        return log_probs
+            scores = processor(sequences, scores)
+        return scores
 
     def run(self, input_ids: torch.LongTensor, model_kwargs: dict):
         """Beam search from the `(batch x beams, P)` decoder prompt `input_ids`; `model_kwargs` as `_beam_search`
         takes them (the encoder output, its mask, the empty cache). Returns `(sequences, sequences_scores)`."""
-        processors = self.processors
         config, model, max_length = self.config, self.model, self.max_length
         beams, alpha, early = config.num_beams, config.length_penalty, config.early_stopping
         eos, gnmt, fill, device = self.eos, self.gnmt, self.fill, input_ids.device
@@ -463,8 +465,8 @@ class LeanBeamSearch:
             log_probs = torch.log_softmax(outputs.logits[:, -1].float(), dim=-1)  # (rows, V)
             del outputs
             open_count = len(sentences)
-            if processors:
-                log_probs = self._processed(processors, sentences, running, first, log_probs)
+            if self.processors:  # at the first step one row per sentence, whose beams all hold the prompt
+                log_probs = self._processed(sentences, running[:, 0] if first else running.flatten(0, 1), log_probs)
             per_beam = min(keep, log_probs.shape[-1])
             values, tokens = log_probs.topk(per_beam)
             del log_probs
@@ -521,7 +523,7 @@ class LeanBeamSearch:
             if bool(hits.all()) or not bool(improvable.any()) or bool(done.all()):
                 break
             if first:
-                for layer in (cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache).layers:
+                for layer in self_attention_cache(cache).layers:
                     layer.batch_repeat_interleave(beams)
                 first = False
             if bool(done.any()):
@@ -537,7 +539,7 @@ class LeanBeamSearch:
                 mask = mask.index_select(0, kept) if mask is not None else None
             else:
                 rows = (torch.arange(open_count, device=device)[:, None] * beams + beam_rows).flatten()
-                (cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache).reorder_cache(rows)
+                self_attention_cache(cache).reorder_cache(rows)
             ids = running[:, :, -1].reshape(-1, 1)
         for index, sentence in enumerate(sentences.tolist()):
             results[sentence] = (finished[index], finished_lengths[index], finished_scores[index])
@@ -561,7 +563,6 @@ class LeanGreedySearch(LeanBeamSearch):
 
     def run(self, input_ids: torch.LongTensor, model_kwargs: dict):
         """Greedy search from the `(batch, P)` decoder prompt `input_ids`; `model_kwargs` as `_sample` takes them."""
-        processors = self.processors
         model, max_length, eos, device = self.model, self.max_length, self.eos, input_ids.device
         batch, cur = input_ids.shape
         sequences = torch.full((batch, max(max_length, cur + 1)), self.fill, dtype=torch.long, device=device)
@@ -578,13 +579,8 @@ class LeanGreedySearch(LeanBeamSearch):
                             return_dict=True, **{CACHE_NAME: cache}, **extra)
             scores = outputs.logits[:, -1].float()  # (open, V)
             del outputs
-            if processors:
-                scores = scores.clone()  # processors may write in place; transformers hands them a copy
-                generated = sequences.index_select(0, sentences)[:, :cur]
-                for processor in processors:
-                    if callable(getattr(processor, "for_sentences", None)):
-                        processor = processor.for_sentences(sentences)
-                    scores = processor(generated, scores)
+            if self.processors:  # processors may write in place; transformers hands them a copy
+                scores = self._processed(sentences, sequences.index_select(0, sentences)[:, :cur], scores.clone())
             tokens = scores.argmax(dim=-1)
             sequences[sentences, cur] = tokens
             cur += 1
@@ -602,29 +598,39 @@ class LeanGreedySearch(LeanBeamSearch):
             ids = tokens[:, None]
 
 
-def lean_search(model, search: type[LeanBeamSearch], input_ids: torch.LongTensor, logits_processor,
-                stopping_criteria, generation_config: GenerationConfig, synced_gpus: bool, model_kwargs: dict):
-    """A `search` (`LeanBeamSearch` or `LeanGreedySearch`) for a `_beam_search` or `_sample` call of `model`, or
-    None where transformers' loop runs: sampling, another output than the sequences (`output_sequences_scores` for
-    beams excepted), a GPU unless `skip_finished_sentences=True`, `lean_beam_search=False`, a cache other than the
-    in-place one, encoder rows other than one per sentence, or what `LeanBeamSearch.applies` refuses."""
+def leaves_finished_out(model, input_ids: torch.LongTensor, generation_config: GenerationConfig, synced_gpus: bool,
+                        model_kwargs: dict, scores_only: bool = False) -> bool:
+    """Whether a `_beam_search` or `_sample` call of `model` may leave finished sentences out of its steps: on a CPU
+    (`skip_finished_sentences`: None) or as that attribute says, not sampled, only the sequences returned (with
+    `scores_only`, their `sequences_scores` too), no decoder mask, the in-place cache and one encoder row per
+    sentence."""
     skip = model.skip_finished_sentences
     if skip is None:
         skip = input_ids.device.type == "cpu"
-    beams = generation_config.num_beams or 1
-    scores_only = bool(beams > 1 and getattr(generation_config, "output_sequences_scores", False)
-                       and generation_config.return_dict_in_generate and not generation_config.output_scores)
     cache = model_kwargs.get(CACHE_NAME)
     encoder_outputs = model_kwargs.get("encoder_outputs")
     states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
-    if not (skip and model.lean_beam_search and not synced_gpus and not generation_config.do_sample
-            and (not generation_config.return_dict_in_generate or scores_only)
-            and not any(getattr(generation_config, name, False) for name in
-                        ("output_scores", "output_logits", "output_attentions", "output_hidden_states"))
-            and model_kwargs.get("decoder_attention_mask") is None
-            and isinstance(cache, EncoderDecoderCache)
-            and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
-            and torch.is_tensor(states) and input_ids.shape[0] == states.shape[0] * beams):
+    return bool(skip and not synced_gpus and not generation_config.do_sample
+                and (not generation_config.return_dict_in_generate or scores_only)
+                and not any(getattr(generation_config, name, False) for name in
+                            ("output_scores", "output_logits", "output_attentions", "output_hidden_states"))
+                and model_kwargs.get("decoder_attention_mask") is None
+                and isinstance(cache, EncoderDecoderCache)
+                and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
+                and torch.is_tensor(states)
+                and input_ids.shape[0] == states.shape[0] * (generation_config.num_beams or 1))
+
+
+def lean_search(model, search: type[LeanBeamSearch], input_ids: torch.LongTensor, logits_processor,
+                stopping_criteria, generation_config: GenerationConfig, synced_gpus: bool, model_kwargs: dict):
+    """A `search` (`LeanBeamSearch` or `LeanGreedySearch`) for a `_beam_search` or `_sample` call of `model`, or
+    None where transformers' loop runs: `lean_beam_search=False`, where `leaves_finished_out` does not hold (beam
+    search's `output_sequences_scores` allowed), or what `LeanBeamSearch.applies` refuses."""
+    scores_only = bool((generation_config.num_beams or 1) > 1
+                       and getattr(generation_config, "output_sequences_scores", False)
+                       and generation_config.return_dict_in_generate and not generation_config.output_scores)
+    if not (model.lean_beam_search
+            and leaves_finished_out(model, input_ids, generation_config, synced_gpus, model_kwargs, scores_only)):
         return None
     return search.applies(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
@@ -794,23 +800,10 @@ class VaswaniGenerationMixin(GenerationMixin):
                                            synced_gpus, **model_kwargs)
             outputs.scores = None
             return outputs
-        cache = model_kwargs.get(CACHE_NAME)
-        encoder_outputs = model_kwargs.get("encoder_outputs")
-        states = encoder_outputs.get("last_hidden_state") if encoder_outputs is not None else None
+        states = model_kwargs["encoder_outputs"].last_hidden_state \
+            if leaves_finished_out(self, input_ids, generation_config, synced_gpus, model_kwargs) else None
         beams = generation_config.num_beams or 1
-        skip = self.skip_finished_sentences
-        if skip is None:
-            skip = input_ids.device.type == "cpu"
-        eligible = (skip and not synced_gpus and not generation_config.do_sample
-                    and not any(getattr(generation_config, name, False) for name in
-                                ("return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
-                                 "output_hidden_states"))
-                    and model_kwargs.get("decoder_attention_mask") is None
-                    and isinstance(cache, EncoderDecoderCache)
-                    and isinstance(cache.self_attention_cache, VaswaniSelfAttentionCache)
-                    and torch.is_tensor(states) and states.shape[0] > 1 and beams > 1
-                    and input_ids.shape[0] == states.shape[0] * beams)
-        if not eligible:
+        if states is None or states.shape[0] == 1 or beams == 1:
             return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
                                         synced_gpus, **model_kwargs)
         skipping = FinishedSentenceSkipping(states.shape[0], beams, input_ids.device)
