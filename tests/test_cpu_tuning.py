@@ -141,8 +141,8 @@ def test_malloc_is_left_alone_when_asked_or_not_glibc(monkeypatch):
 def test_onednn_caches_stay_small_with_new_row_counts():
     applied, hits = run_cache_probe()
     assert applied
-    # 64 kept: the second pass over 450 computations finds none of them (each was evicted), the last 15 all (within 64
-    # even where a product keeps a few entries, as oneDNN's nested computations do)
+    # 256 kept: the second pass over 450 computations finds none of them (each was evicted), the last 15 all (within
+    # 256 even where a product keeps a few entries, as oneDNN's nested computations do)
     assert hits == [0, 0, 15], hits
     # torch's and oneDNN's default capacity, 1,024, set by the user: kept, and every computation found again
     user_applied, user_hits = run_cache_probe(LRU_CACHE_CAPACITY="1024", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")

@@ -25,6 +25,7 @@ them `isa`.
 
 import contextlib
 import copy
+import os
 import threading
 
 import pytest
@@ -516,6 +517,77 @@ def test_a_training_step_in_onednn_equals_the_blas_step(monkeypatch):
     excess = max(((p.grad - results["blas"][1][name]).abs() / (1e-6 + 1e-4 * results["blas"][1][name].abs())).max()
                  for name, p in rounded.named_parameters() if p.grad is not None)
     assert excess > 10
+
+
+@pytest.mark.parametrize("rows_shape", [(37,), (3, 7), (64,)])  # padded to 64 rows; a (B, L, D) input; no padding
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_training_linear_computes_what_autocast_computes(rows_shape, bias):
+    torch.manual_seed(0)
+    fast, plain = onednn_linear(24, 40, bias=bias).train(), nn.Linear(24, 40, bias=bias)
+    plain.load_state_dict(fast.state_dict())
+    x, upstream = torch.randn(*rows_shape, 24), torch.randn(*rows_shape, 40)
+    results = []
+    for module in (fast, plain):
+        leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(leaf)
+        (y.float() * upstream).sum().backward()
+        results.append([y, leaf.grad, *(p.grad for p in module.parameters())])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fast.trains_in_bf16(x.requires_grad_()) == kernels_vaswani.onednn_bf16()
+    assert not fast.trains_in_bf16(x)  # fp32: not this path
+    for got, want in zip(*results, strict=True):  # autocast's dtypes: bf16 output, fp32 gradients
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+        assert _relative_error(got, want) < 4e-3  # the same bf16 products, summed in another order at most
+    # control: the weight's gradient of all rows but one is 10 % and more off, the padded rows must add nothing
+    dropped = upstream.reshape(-1, 40)[1:].t() @ x.reshape(-1, 24)[1:]
+    assert _relative_error(dropped, results[1][2]) > 0.05
+
+
+REUSE_PROBE = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from torch import nn
+from vaswani_hf.kernels_vaswani import OneDNNLinear, cpu_projected_cross_entropy
+weight = torch.randn(300, 256)
+for cls in (OneDNNLinear, nn.Linear):
+    linear = nn.Linear(256, 1024)
+    linear.__class__ = cls  # as training_fast_paths swaps it, or left plain
+    for rows in (705, 740, 768):  # three row counts of one multiple of 64 (768), as three training steps bring
+        print("rows", flush=True)
+        x = torch.randn(rows, 256, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = linear.train()(x)
+            loss = cpu_projected_cross_entropy(x, weight, torch.zeros(rows, dtype=torch.long), 0.1, rows) \
+                if cls is OneDNNLinear else None
+        (y.float().sum() + (0 if loss is None else loss)).backward()
+"""
+
+
+@pytest.mark.skipif(not kernels_vaswani.has_onednn_linear(), reason="this torch has no oneDNN")
+def test_bf16_training_products_reuse_onednns_kernels_across_row_counts():
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    out = subprocess.run([sys.executable, "-c", REUSE_PROBE.format(root=str(ROOT))], capture_output=True, text=True,
+                         check=True, env={**os.environ, "ONEDNN_VERBOSE": "profile_create"}).stdout
+    created = [[]]  # per call: oneDNN's report of each computation it compiled ("miss") or found cached ("hit")
+    for line in out.splitlines():
+        if line.startswith("rows"):
+            created.append([])
+        elif ",primitive,create" in line and "cache_" in line:
+            created[-1].append("hit" if "cache_hit" in line.split(",")[3] else "miss")
+    fast, plain = created[1:4], created[4:7]
+    if not kernels_vaswani.onednn_bf16():  # no native bf16: torch's own kernels, nothing compiled per shape
+        assert not any(fast + plain), out[-1000:]
+        return
+    # the linear's 3 products and the fused loss's (2 or 3: torch may take g^T x outside oneDNN): compiled for the
+    # first row count, reused for the next two
+    assert len(fast[0]) >= 5 and [len(call) for call in fast] == [len(fast[0])] * 3, fast
+    assert set(fast[0]) == {"miss"} and set(fast[1] + fast[2]) == {"hit"}, fast
+    # control: autocast's nn.Linear multiplies 705 and 740 rows with kernels of their own
+    assert set(plain[0] + plain[1]) == {"miss"} and len(plain[1]) == 3, plain
 
 
 @pytest.mark.parametrize("onednn_seconds,blas_seconds,expected", [(1.0, 1.3, "onednn"), (1.0, 1.25, "blas"),

@@ -11,7 +11,9 @@ tests/test_kernels.py holds each path against the plain model):
   CPU in bf16/fp16 or with attention dropout, Eq. 1 with the scores in fp32 (`cpu_attention_forward`);
 - `CPUDropout`: `nn.Dropout` whose random mask costs a fifth of torch's on a CPU;
 - `OneDNNLinear`: `nn.Linear` whose products run in oneDNN: in fp32 training where oneDNN is much faster than torch's
-  BLAS on this CPU (`cpu_training_matmul`), and with weights prepacked in oneDNN's layout in inference;
+  BLAS on this CPU (`cpu_training_matmul`), in bf16 autocast training on row counts rounded up to a multiple of
+  `TRAINING_ROW_MULTIPLE` (so that oneDNN reuses the kernels it compiled for earlier steps), and with weights
+  prepacked in oneDNN's layout in inference;
 - `cpu_projected_cross_entropy`: the output projection and the label-smoothed loss of a training step in one
   function that writes one buffer of the logits' size where `F.cross_entropy` writes four.
 
@@ -348,6 +350,64 @@ def _onednn_grad_weight(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return _onednn_linear(grad.t(), x.t())
 
 
+# oneDNN compiles a kernel for each shape it multiplies (with AMX about 2 ms a bf16 product of a training step's size,
+# 16 ms the output projection's), and a step's row counts (its unpadded tokens) change every step: its bf16 products
+# round their rows up to a multiple of this, so that a few row counts recur and their kernels are reused.
+TRAINING_ROW_MULTIPLE = 64
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether torch multiplies bf16 in oneDNN on this CPU (native bf16: AVX512-BF16 or AMX); elsewhere in its own
+    kernels, which compile nothing per shape."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _rows_padded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`(M, K)` -> `(M', K)` in `dtype`, M' = M rounded up to `TRAINING_ROW_MULTIPLE`, zeros in the rows added."""
+    rows = x.shape[0]
+    padded = x.new_empty((-(-rows // TRAINING_ROW_MULTIPLE) * TRAINING_ROW_MULTIPLE, x.shape[1]), dtype=dtype)
+    padded[:rows].copy_(x)
+    padded[rows:].zero_()
+    return padded
+
+
+class _Bf16LinearFunction(torch.autograd.Function):
+    """`F.linear` as CPU bf16 autocast computes it and differentiates it (bf16 operands and products, fp32 weight and
+    bias gradients, the input's gradient in the input's dtype), on rows padded to `TRAINING_ROW_MULTIPLE` (zero rows,
+    left out of every result); not differentiable twice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        with torch.autocast("cpu", enabled=False):
+            padded, weight16 = _rows_padded(x.reshape(rows, x.shape[-1]), torch.bfloat16), weight.to(torch.bfloat16)
+            out = F.linear(padded, weight16, None if bias is None else bias.to(torch.bfloat16))
+        ctx.save_for_backward(padded, weight16)
+        ctx.input_shape, ctx.input_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        return out[:rows].view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        padded, weight16 = ctx.saved_tensors
+        rows = ctx.input_shape[:-1].numel()
+        grad_x = grad_weight = grad_bias = None
+        with torch.autocast("cpu", enabled=False):
+            grad = grad.reshape(rows, grad.shape[-1])
+            padded_grad = _rows_padded(grad, torch.bfloat16)  # (M', N): zero rows, so g^T x sums the M rows alone
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.mm(padded_grad, weight16)[:rows].view(ctx.input_shape).to(ctx.input_dtype)  # g W
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.mm(padded_grad.t(), padded).float()  # g^T x
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = padded_grad.sum(0).float()
+        return grad_x, grad_weight, grad_bias
+
+
 class _OneDNNLinearFunction(torch.autograd.Function):
     """`F.linear` whose forward and backward products run in oneDNN; fp32, CPU; not differentiable twice."""
 
@@ -398,9 +458,11 @@ class OneDNNLinear(nn.Linear):
       than torch's BLAS call. With `stacked` (a packed weight stacking this layer's and the next layers', their bias,
       those layers) one product computes all of them for the same input, as attention's W^Q, W^K and W^V (or W^K and
       W^V) read one input: the others' outputs wait for their own calls on that input;
-    - in an fp32 training-mode forward with autograd, where `cpu_training_matmul()` chose oneDNN.
+    - in an fp32 training-mode forward with autograd, where `cpu_training_matmul()` chose oneDNN;
+    - in a training-mode forward with autograd under CPU bf16 autocast (fp32 weights) where oneDNN multiplies bf16
+      (`onednn_bf16`), as autocast computes it but on rows padded to `TRAINING_ROW_MULTIPLE` (`_Bf16LinearFunction`).
 
-    Anything else (GPUs, bf16 or autocast, compiled or traced graphs) runs `nn.Linear`'s forward.
+    Anything else (GPUs, bf16 weights or other autocast, compiled or traced graphs) runs `nn.Linear`'s forward.
     """
 
     packed_weight: torch.Tensor | None = None
@@ -413,6 +475,10 @@ class OneDNNLinear(nn.Linear):
     def trains_with_onednn(self, x: torch.Tensor) -> bool:
         return (self.training and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
                 and _eager_fp32_cpu(x, self.weight) and cpu_training_matmul() == "onednn")
+
+    def trains_in_bf16(self, x: torch.Tensor) -> bool:
+        return (self.training and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+                and _eager_bf16_autocast_cpu(x, self.weight) and onednn_bf16())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ahead = getattr(_AHEAD, "outputs", None)
@@ -430,6 +496,8 @@ class OneDNNLinear(nn.Linear):
             return outputs[0]
         if self.trains_with_onednn(x):
             return _OneDNNLinearFunction.apply(x, self.weight, self.bias)
+        if self.trains_in_bf16(x):
+            return _Bf16LinearFunction.apply(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -444,20 +512,22 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
                 divisor, bf16: bool) -> torch.Tensor:
         onednn = not bf16 and cpu_training_matmul() == "onednn"
+        rows = hidden.shape[0]
         if bf16:  # autocast's products: bf16 operands and logits, the softmax and the loss in fp32
-            with torch.autocast("cpu", enabled=False):
-                hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
-                log_probs = torch.mm(hidden, weight.t()).float()  # (N, V) logits
+            with torch.autocast("cpu", enabled=False):  # rows padded: oneDNN's kernels for earlier row counts serve
+                hidden = _rows_padded(hidden, torch.bfloat16) if onednn_bf16() else hidden.to(torch.bfloat16)
+                weight = weight.to(torch.bfloat16)
+                log_probs = torch.mm(hidden, weight.t()).float()  # (N', V) logits
         else:
             log_probs = _onednn_linear(hidden, weight) if onednn else torch.mm(hidden, weight.t())  # (N, V) logits
         # Rows are read whole before they are written: log-softmax in place, so the logits never take a second buffer.
         torch._log_softmax(log_probs, 1, False, out=log_probs)
         total = log_probs.gather(1, labels[:, None]).sum() * -(1.0 - label_smoothing)
         if label_smoothing:
-            total = total - log_probs.sum() * (label_smoothing / log_probs.shape[1])
+            total = total - log_probs[:rows].sum() * (label_smoothing / log_probs.shape[1])
         ctx.save_for_backward(hidden, weight, labels, log_probs)
         ctx.label_smoothing, ctx.divisor, ctx.onednn, ctx.consumed = label_smoothing, divisor, onednn, False
-        ctx.bf16 = bf16
+        ctx.bf16, ctx.rows = bf16, rows
         return total / divisor
 
     @staticmethod
@@ -468,27 +538,27 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
                 "The fused CPU loss (cpu_projected_cross_entropy) turned its saved log-probabilities into the softmax "
                 "in place in the first backward pass, so it cannot run backward again (retain_graph=True). Compute "
                 "the loss from the model's logits for steps that backpropagate twice.")
-        hidden, weight, labels, log_probs = ctx.saved_tensors
-        epsilon, vocab = ctx.label_smoothing, log_probs.shape[1]
+        hidden, weight, labels, log_probs = ctx.saved_tensors  # bf16: `hidden` and `log_probs` with padded rows
+        epsilon, vocab, rows = ctx.label_smoothing, log_probs.shape[1], ctx.rows
         # d loss / d logits = scale * (softmax - (1 - eps) one_hot(label) - eps / V); the products take softmax alone
         # and the two other terms are added to their (N, D) and (V, D) results.
         scale = grad / ctx.divisor
         ctx.consumed = True
         probs = log_probs.exp_()  # in place: a new (N, V) buffer costs more than the exponentials themselves
         if ctx.bf16:  # the products in bf16 as autocast's backward takes them; the small corrections in fp32
-            probs = probs.to(torch.bfloat16)
+            probs = probs.to(torch.bfloat16)  # its padded rows meet zero rows of `hidden` in g^T x
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = _onednn_linear(probs, weight.t()) if ctx.onednn else torch.mm(probs, weight).float()
+            grad_hidden = _onednn_linear(probs, weight.t()) if ctx.onednn else torch.mm(probs, weight)[:rows].float()
             grad_hidden.sub_(weight.index_select(0, labels).float(), alpha=1.0 - epsilon)
             if epsilon:
                 grad_hidden.sub_(weight.sum(0, dtype=torch.float32), alpha=epsilon / vocab)
             grad_hidden.mul_(scale)
         if ctx.needs_input_grad[1]:
             grad_weight = _onednn_grad_weight(hidden, probs) if ctx.onednn else torch.mm(probs.t(), hidden).float()
-            grad_weight.index_add_(0, labels, hidden.float(), alpha=-(1.0 - epsilon))
+            grad_weight.index_add_(0, labels, hidden[:rows].float(), alpha=-(1.0 - epsilon))
             if epsilon:
-                grad_weight.sub_(hidden.sum(0, dtype=torch.float32), alpha=epsilon / vocab)
+                grad_weight.sub_(hidden.sum(0, dtype=torch.float32), alpha=epsilon / vocab)  # padded rows are 0
             grad_weight.mul_(scale)
         return grad_hidden, grad_weight, None, None, None, None
 

@@ -40,17 +40,18 @@ def keep_freed_memory() -> bool:
 ONEDNN_CACHE_ENV = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
 
 
-def bound_onednn_caches(capacity: int = 64) -> bool:
-    """Keep at most `capacity` oneDNN computations in each of torch's two caches of them (default 64; torch's and
+def bound_onednn_caches(capacity: int = 256) -> bool:
+    """Keep at most `capacity` oneDNN computations in each of torch's two caches of them (default 256; torch's and
     oneDNN's default is 1,024). Call it before the process's first oneDNN product.
 
     torch caches a oneDNN computation, with its buffers, for every input shape it meets: ideep's cache
     (`LRU_CACHE_CAPACITY`) and oneDNN's primitive cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`). A CPU training step of
-    this project multiplies its linears in oneDNN (bf16 autocast, or fp32 where `cpu_training_matmul()` chose it),
-    and with token-budget batches and only the unpadded tokens computed (`unpad_batch`) nearly every step brings new
-    row counts, so both caches would fill to 1,024 entries of a few MiB each and more than double the run's peak memory.
-    A step's layers share their shapes, so a step's own computations still fit in 64. Skipped when the user set any
-    of those variables (the user's choice wins).
+    this project multiplies in oneDNN (bf16 autocast, or fp32 where `cpu_training_matmul()` chose it), and with
+    token-budget batches many of its shapes are new every step, so both caches would fill to 1,024 entries of a few
+    MiB each and more than double the run's peak memory. Its linears round their row counts up to a multiple of
+    `TRAINING_ROW_MULTIPLE`, so that the kernels of the few row counts a run meets most are reused: 256 keeps them
+    (docs/performance.md, "Row counts that recur"). Skipped when the user set any of those variables (the user's
+    choice wins).
 
     Returns:
         True if the capacities were set.
