@@ -98,10 +98,12 @@ def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
                           attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                           is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Eq. 1 on a CPU where torch's CPU flash-attention kernel is slow: in bf16/fp16 (several times this one's time,
-    benchmarks/bench_training_paths.py), and with attention dropout (`cpu_dropout` draws the mask). Q K^T, the mask
-    and the softmax in fp32 (autocast off: the scores are not rounded to 8 bits of mantissa before the softmax), the
-    product with V in the inputs' precision. Shapes as `eager_attention_forward`, whose causal rule it follows (no
-    mask: a causal module hides later positions); returns the output `(B, Tq, H, Dh)` and no probabilities."""
+    benchmarks/bench_training_paths.py), and with attention dropout (`cpu_dropout` draws the mask). Both products,
+    the mask and the softmax in fp32 (autocast off: the scores and the probabilities are not rounded to 8 bits of
+    mantissa), the output rounded to the inputs' precision: in bf16 oneDNN would compile a kernel for each new
+    (batch, length) of a training step, where fp32 products compile nothing. Shapes as `eager_attention_forward`,
+    whose causal rule it follows (no mask: a causal module hides later positions); returns the output
+    `(B, Tq, H, Dh)` and no probabilities."""
     with torch.autocast(query.device.type, enabled=False):
         scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
         is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
@@ -109,9 +111,9 @@ def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
             attention_mask = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1) * torch.finfo(scores.dtype).min
         if attention_mask is not None:
             scores = scores + attention_mask.float()
-        probs = F.softmax(scores, dim=-1)
-    probs = cpu_dropout(probs.to(value.dtype), dropout, module.training and dropout > 0.0)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+        probs = cpu_dropout(F.softmax(scores, dim=-1), dropout, module.training and dropout > 0.0)
+        output = torch.matmul(probs, value.float()).to(value.dtype)
+    return output.transpose(1, 2).contiguous(), None
 
 
 def vaswani_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
