@@ -246,3 +246,18 @@ def test_training_paths_benchmark_times_the_four_variants(monkeypatch):
     # the shipped kernels are back where the training step looks them up
     assert kernels_vaswani.sdpa_attention_forward is bench.SHIPPED["attention"]
     assert fast_paths_vaswani.cpu_projected_cross_entropy is bench.SHIPPED["loss"]
+
+
+def test_real_steps_benchmark_trains_on_real_batches_and_writes_its_record(tmp_path):
+    output = tmp_path / "real.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_real_steps.py"), "--steps", "4",
+                           "--warmup", "1", "--precision", "fp32", "--long-run-dropout", "--output", str(output)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(output.read_text())
+    assert result["steps_timed"] == 3 and result["precision"] == "fp32" and result["long_run_dropout"] is True
+    assert positive(result["median_step_s"]) and positive(result["tokens_per_second"])
+    # a real batch of the cpu preset: about 1,024 padded tokens a side, so 1,000-2,048 real ones a step
+    assert 1000 < result["tokens_per_second"] * result["mean_step_s"] <= 2048
+    assert result["code"] != "unknown" and result["torch"] == torch.__version__
+    assert f"median step {result['median_step_s'] * 1e3:.1f} ms" in done.stdout
