@@ -1,6 +1,6 @@
 """Dropout that follows the planned length of a run: a run that fits many updates in its time budget trains with more.
 
-The `cpu` preset's budget gives about 3,500-4,200 updates where a CPU computes in fp32 and 5,000-6,000 where it has
+The `cpu` preset's budget gives about 3,500-4,200 updates where a CPU computes in fp32 and 5,000-7,700 where it has
 native bf16. At 5,000-5,945 updates, dropout on the attention probabilities and after the FFN's ReLU (0.1 each, which
 the paper does not use, §5.4) scored higher on validation than the paper's residual dropout alone, in each of three
 pairs of runs of one seed; at the fp32 path's 4,200 it scored lower in one pair (docs/results.md, "Dropout at
