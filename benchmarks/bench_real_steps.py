@@ -26,7 +26,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,9 +39,8 @@ start_process()  # before the first oneDNN product: the caches' bound is read th
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from cpu_levers import batches  # noqa: E402
+from cpu_levers import batches, timed_steps  # noqa: E402
 
-from vaswani_hf.fast_paths_vaswani import training_fast_paths  # noqa: E402
 from vaswani_hf.schedule import paper_adam  # noqa: E402
 from vaswani_training.lib.arguments import RecipeArguments  # noqa: E402
 from vaswani_training.lib.dropout import set_dropout  # noqa: E402
@@ -96,17 +94,7 @@ def main(argv=None) -> dict:
     if args.long_run_dropout:
         set_dropout(model, attention_dropout=0.1, activation_dropout=0.1)
     optimizer = paper_adam(model.parameters(), lr=1e-4, fused=True)
-    times = []
-    with training_fast_paths(model, 0.1):
-        for batch in data:
-            start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-    timed = times[args.warmup:]
+    timed = timed_steps(model, optimizer, data, bf16)[args.warmup:]
     tokens = [int(b["attention_mask"].sum() + b["labels"].ne(-100).sum()) for b in data[args.warmup:]]
     result = {
         "command": "python benchmarks/bench_real_steps.py " + " ".join(sys.argv[1:] if argv is None else argv),

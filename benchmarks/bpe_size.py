@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,9 +31,8 @@ from vaswani_training.lib.cpu_tuning import bound_onednn_caches, keep_freed_memo
 keep_freed_memory()  # the process settings vaswani-train makes before its first tensor (training/lib/run.py)
 bound_onednn_caches()
 
-from cpu_levers import batches  # noqa: E402
+from cpu_levers import batches, timed_steps  # noqa: E402
 
-from vaswani_hf.fast_paths_vaswani import training_fast_paths  # noqa: E402
 from vaswani_hf.schedule import paper_adam  # noqa: E402
 from vaswani_training.lib.arguments import DataArguments, ModelArguments  # noqa: E402
 from vaswani_training.lib.prepare import build_model, prepare_data, token_budget_sampler  # noqa: E402
@@ -56,17 +54,7 @@ def time_size(vocab_size: int, steps: int, warmup: int, bf16: bool, max_tokens: 
     torch.manual_seed(0)
     model = build_model(model_args, preset, tokenizer).train()
     optimizer = paper_adam(model.parameters(), lr=1e-4, fused=True)
-    times = []
-    with training_fast_paths(model, 0.1):
-        for i, batch in enumerate(data):
-            start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
+    times = timed_steps(model, optimizer, data, bf16)[warmup:]
     per_epoch, tokens = steps_per_epoch(vocab_size, max_tokens)
     step = statistics.median(times)
     return {"vocab_size": vocab_size, "max_tokens": max_tokens, "overrides": overrides, "step_s": step,
