@@ -621,18 +621,12 @@ def leaves_finished_out(model, input_ids: torch.LongTensor, generation_config: G
                 and input_ids.shape[0] == states.shape[0] * (generation_config.num_beams or 1))
 
 
-def lean_search(model, search: type[LeanBeamSearch], input_ids: torch.LongTensor, logits_processor,
-                stopping_criteria, generation_config: GenerationConfig, synced_gpus: bool, model_kwargs: dict):
-    """A `search` (`LeanBeamSearch` or `LeanGreedySearch`) for a `_beam_search` or `_sample` call of `model`, or
-    None where transformers' loop runs: `lean_beam_search=False`, where `leaves_finished_out` does not hold (beam
-    search's `output_sequences_scores` allowed), or what `LeanBeamSearch.applies` refuses."""
-    scores_only = bool((generation_config.num_beams or 1) > 1
-                       and getattr(generation_config, "output_sequences_scores", False)
-                       and generation_config.return_dict_in_generate and not generation_config.output_scores)
-    if not (model.lean_beam_search
-            and leaves_finished_out(model, input_ids, generation_config, synced_gpus, model_kwargs, scores_only)):
-        return None
-    return search.applies(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+def sequences_scores_only(generation_config: GenerationConfig) -> bool:
+    """Whether a beam search returns its sequences and their `sequences_scores` only: the generation config's
+    `output_sequences_scores` with `return_dict_in_generate` and no per-step `scores`."""
+    return bool((generation_config.num_beams or 1) > 1
+                and getattr(generation_config, "output_sequences_scores", False)
+                and generation_config.return_dict_in_generate and not generation_config.output_scores)
 
 
 # The generation mixin -------------------------------------------------------------------------------------------------
@@ -778,7 +772,7 @@ class VaswaniGenerationMixin(GenerationMixin):
         `return_dict_in_generate=True`, the sequences and their `sequences_scores`, without the per-step `scores` or
         `beam_indices`) and beams are not sampled, the finished sentences leave the batch: with logits processors
         `LeanBeamSearch` can run (`LeanBeamSearch.ROW_WISE`, or with a `for_sentences` method) and only the
-        maximum-length and `</s>` stopping criteria, `LeanBeamSearch` runs the search (`lean_search` says where);
+        maximum-length and `</s>` stopping criteria, `LeanBeamSearch` runs the search (`leaves_finished_out`);
         otherwise transformers' loop runs with `FinishedSentenceSkipping` (for this call only). Either returns the
         same sequences as transformers' loop on the whole batch. `skip_finished_sentences` (the class attribute)
         chooses: None (the default) on a CPU only, True everywhere, False nowhere (transformers' loop as it is): on a
@@ -786,22 +780,22 @@ class VaswaniGenerationMixin(GenerationMixin):
         and leaving sentences out adds a host sync per step (benchmarks/bench_generation_paths.py measures both).
         `lean_beam_search = False` keeps transformers' loop, with the skipping."""
         # Private hook: the only one that sees the call's resolved GenerationConfig before beam search's first step.
-        lean = lean_search(self, LeanBeamSearch, input_ids, logits_processor, stopping_criteria, generation_config,
-                           synced_gpus, model_kwargs)
+        scores_only = sequences_scores_only(generation_config)
+        eligible = leaves_finished_out(self, input_ids, generation_config, synced_gpus, model_kwargs, scores_only)
+        lean = LeanBeamSearch.applies(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                      model_kwargs) if eligible and self.lean_beam_search else None
         if lean is not None:
             sequences, sequences_scores = lean.run(input_ids, model_kwargs)
             return GenerateBeamEncoderDecoderOutput(sequences=sequences, sequences_scores=sequences_scores) \
-                if generation_config.return_dict_in_generate else sequences
-        if getattr(generation_config, "output_sequences_scores", False) and generation_config.return_dict_in_generate \
-                and not generation_config.output_scores:  # transformers' loop gives them with the per-step scores
+                if scores_only else sequences
+        if scores_only:  # transformers' loop gives `sequences_scores` with the per-step scores only
             generation_config = copy.copy(generation_config)
             generation_config.output_scores = True
             outputs = super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
                                            synced_gpus, **model_kwargs)
             outputs.scores = None
             return outputs
-        states = model_kwargs["encoder_outputs"].last_hidden_state \
-            if leaves_finished_out(self, input_ids, generation_config, synced_gpus, model_kwargs) else None
+        states = model_kwargs["encoder_outputs"].last_hidden_state if eligible else None
         beams = generation_config.num_beams or 1
         if states is None or states.shape[0] == 1 or beams == 1:
             return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config,
@@ -817,12 +811,13 @@ class VaswaniGenerationMixin(GenerationMixin):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
         """transformers' greedy search and sampling. Greedy search that returns only the sequences, with no streamer,
-        runs as `LeanGreedySearch` where `lean_search` allows it: the same sequences, finished sentences left out of
-        the steps after they end."""
+        runs as `LeanGreedySearch` where `leaves_finished_out` holds and `LeanGreedySearch.applies` (unless
+        `lean_beam_search` is False): the same sequences, finished sentences left out of the steps after they end."""
         # Private hook: the only one that sees greedy search's resolved config, processors and stopping criteria.
-        lean = None if streamer is not None else lean_search(
-            self, LeanGreedySearch, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-            model_kwargs)
+        lean = LeanGreedySearch.applies(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                        model_kwargs) \
+            if streamer is None and self.lean_beam_search \
+            and leaves_finished_out(self, input_ids, generation_config, synced_gpus, model_kwargs) else None
         if lean is not None:
             return lean.run(input_ids, model_kwargs)[0]
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
