@@ -106,6 +106,19 @@ def test_cpu_dropout_float_mask_is_the_threshold_rule_on_the_random_quarters(dty
     assert 0 < int((~keep).sum()) < x.numel()
 
 
+def test_dropout_keep_mask_is_the_same_rule_in_every_dtype_and_at_the_ends_of_p():
+    """The bf16 mask (clamped 16-bit integers) keeps what the fp32 one (clamped floats) keeps, for every 16-bit q,
+    also where p is so close to 0 or 1 that t - 1 or t leaves the int16 range."""
+    from vaswani_hf.kernels_vaswani import _dropout_keep_mask
+    every_q = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    for p in (1e-6, 2**-16, 0.1, 0.5, 0.9, 1 - 2**-16, 1 - 1e-6):
+        threshold = -(2**15) + round(p * 2**16)
+        expected = (every_q.int() >= threshold).float()
+        assert torch.equal(_dropout_keep_mask(every_q, p, torch.bfloat16).float(), expected), p
+        assert torch.equal(_dropout_keep_mask(every_q, p, torch.float32).ne(0).float(), expected), p
+    assert 0 < int(_dropout_keep_mask(every_q, 0.1, torch.bfloat16).sum()) < 2**16
+
+
 def test_cpu_dropout_gradient_is_the_mask_times_the_scale():
     torch.manual_seed(1)
     x = (torch.rand(64, 33) + 0.5).requires_grad_()

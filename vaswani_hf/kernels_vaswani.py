@@ -48,12 +48,16 @@ def _dropout_bits(x: torch.Tensor) -> torch.Tensor:
 
 def _dropout_keep_mask(bits: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
     """The keep mask of `_dropout_bits`: 1 where q >= t = -2^15 + round(p * 2^16) (kept with probability 1 - p to
-    within 2^-17; for p = 0.1, 0.899994), else 0, scaled by 1 / (1 - p) for fp32, in `dtype`. Made in float
-    arithmetic, clamp(q - t + 1, 0, 1) (exactly 0 or 1 for integers q): on a CPU torch's comparisons and `where` on
-    bool masks take several times as long as a float product of the same size."""
+    within 2^-17; for p = 0.1, 0.899994), else 0, scaled by 1 / (1 - p) for fp32, in `dtype`. Made in arithmetic,
+    clamp(q - t + 1, 0, 1) (exactly 0 or 1 for integers q): on a CPU torch's comparisons and `where` on bool masks take
+    several times as long as a product of the same size. fp32 clamps in float; other dtypes clamp the 16-bit integers
+    themselves, clamp(q, t - 1, t) - (t - 1), which writes 2 bytes an element where a float mask writes 4 and a cast."""
     threshold = -(2**15) + round(p * 2**16)
-    keep = bits.to(torch.float32).sub_(threshold - 1).clamp_(0.0, 1.0)
-    return keep.mul_(1.0 / (1.0 - p)) if dtype == torch.float32 else keep.to(dtype)
+    if dtype == torch.float32:
+        return bits.to(torch.float32).sub_(threshold - 1).clamp_(0.0, 1.0).mul_(1.0 / (1.0 - p))
+    if not -(2**15) < threshold < 2**15:  # p within 2^-17 of 0 or 1: t - 1 or t leaves the 16-bit range
+        return torch.full_like(bits, float(threshold <= -(2**15)), dtype=dtype)
+    return torch.clamp(bits, threshold - 1, threshold).sub_(threshold - 1).to(dtype)
 
 
 class _CPUDropoutFunction(torch.autograd.Function):
