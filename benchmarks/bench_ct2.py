@@ -14,7 +14,9 @@ Two modes:
 
 Measurements alternate the engines (ours, torch int8, CT2 fp32, CT2 int8, then rotated) and report medians of
 sentences per second, the ratios to ours and torch int8's ratio to CT2 int8; absolute numbers on a shared machine mean
-little. All run on the CPU with the same number of threads (`--threads`, default torch's). Torch int8 is our
+little. All run on the CPU with the same number of threads (`--threads`, default torch's). CTranslate2 converts and
+translates in a process of its own, timed around each request from this one: its bundled OpenMP runtime slows torch's
+threads in a process where it has run. Torch int8 is our
 `generate()` on `torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)` (int8 weights with a
 scale per tensor, activations quantized per call); CT2 int8 is CTranslate2's `compute_type="int8"` on the float32
 conversion (weights quantized when loading, the same as converting with `--quantization int8`).
@@ -29,8 +31,10 @@ From another script: `from benchmarks.bench_ct2 import bench_ct2; results = benc
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -107,10 +111,6 @@ def bench_ct2(
 
 def _bench_ct2(model, tokenizer, inputs, sentences, batch_size, num_beams, length_penalty, new_tokens, threads,
                repetitions, engines) -> dict:
-    import ctranslate2
-
-    from vaswani_hf.decoding.ct2 import convert_to_ct2
-
     model = model.eval()
     if tokenizer is not None:
         inputs = tokenizer(list(sentences))["input_ids"]
@@ -131,14 +131,14 @@ def _bench_ct2(model, tokenizer, inputs, sentences, batch_size, num_beams, lengt
 
     tensor_batches = [padded(batch) for batch in batches]
 
+    ct2_engines = [name for name in engines if name.startswith("ct2_")]
+    worker = None
     with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(Path(tmp) / "model")
-        convert_to_ct2(Path(tmp) / "model", Path(tmp) / "ct2", vocabulary=vocabulary)
-        translators = {name: ctranslate2.Translator(
-            str(Path(tmp) / "ct2"), device="cpu", compute_type=name.split("_")[1],
-            **(dict(intra_threads=1, inter_threads=threads) if name.endswith("side_by_side") else
-               dict(intra_threads=threads, inter_threads=1)))
-            for name in engines if name.startswith("ct2_")}
+        if ct2_engines:
+            model.save_pretrained(Path(tmp) / "model")
+            worker = _CT2Worker(Path(tmp), vocabulary, ct2_engines, threads, token_batches,
+                                dict(batch_size=batch_size, num_beams=num_beams, length_penalty=length_penalty,
+                                     new_tokens=new_tokens))  # returns once the translators are loaded
 
     models = {"ours": model, "ours_side_by_side": model}
     if "torch_int8" in engines:
@@ -167,36 +167,24 @@ def _bench_ct2(model, tokenizer, inputs, sentences, batch_size, num_beams, lengt
 
     def run_ct2(name):
         def run():
-            translator = translators[name]
-            if name.endswith("side_by_side"):  # every batch at once; CTranslate2 runs inter_threads of them at a time
-                limit = new_tokens if new_tokens is not None else max(len(t) for b in token_batches for t in b) + 50
-                out = translator.translate_batch(
-                    [t for b in token_batches for t in b], max_batch_size=batch_size, beam_size=num_beams,
-                    length_penalty=length_penalty, return_end_token=True, max_decoding_length=limit,
-                    min_decoding_length=new_tokens or 1)
-                outputs[name] = [[t for t in r.hypotheses[0] if t != "</s>"] for r in out]
-                return
-            results = []
-            for tokens in token_batches:
-                limit = new_tokens if new_tokens is not None else max(map(len, tokens)) + 50
-                out = translator.translate_batch(
-                    tokens, beam_size=num_beams, length_penalty=length_penalty, return_end_token=True,
-                    max_decoding_length=limit, min_decoding_length=new_tokens or 1)
-                results += [[t for t in r.hypotheses[0] if t != "</s>"] for r in out]
-            outputs[name] = results
+            outputs[name] = worker.run(name)
         return run
 
     functions = {name: (run_torch(name) if name in models else run_ct2(name)) for name in engines}
-    for function in functions.values():  # warm-up (first calls allocate caches)
-        function()
     runs: dict[str, list[float]] = {name: [] for name in engines}
-    names = list(engines)
-    for repetition in range(repetitions):
-        rotated = names[repetition % len(names):] + names[: repetition % len(names)]
-        for name in rotated:
-            start = time.perf_counter()
-            functions[name]()
-            runs[name].append(time.perf_counter() - start)
+    try:
+        for function in functions.values():  # warm-up (first calls allocate caches)
+            function()
+        names = list(engines)
+        for repetition in range(repetitions):
+            rotated = names[repetition % len(names):] + names[: repetition % len(names)]
+            for name in rotated:
+                start = time.perf_counter()
+                functions[name]()
+                runs[name].append(time.perf_counter() - start)
+    finally:
+        if worker is not None:
+            worker.close()
 
     count = len(inputs)
     rates = {name: count / statistics.median(seconds) for name, seconds in runs.items()}
@@ -216,8 +204,88 @@ def _bench_ct2(model, tokenizer, inputs, sentences, batch_size, num_beams, lengt
                                    if {"torch_int8", "ct2_int8"} <= set(rates) else None),
         "agreement_with_ours": agreement,
         "runs": runs,
-        "ctranslate2_version": __import__("ctranslate2").__version__,
+        "ctranslate2_version": importlib.metadata.version("ctranslate2"),
+        "ctranslate2_in": "its own process" if ct2_engines else None,
     }
+
+
+class _CT2Worker:
+    """CTranslate2's translators in a process of their own (this file run with `--ct2-worker`), driven by JSON lines
+    on its stdin and stdout: CTranslate2 bundles its own OpenMP runtime, and once it has translated in a process,
+    torch's threads there run slower (beam 4 at 2 threads: 79.5 against 108.0 sentences/s, docs/performance.md), so
+    in one process the benchmark would time ours handicapped. The caller times each `run` around the round trip."""
+
+    def __init__(self, folder: Path, vocabulary: list[str], engines: list[str], threads: int, token_batches,
+                 settings: dict):
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--ct2-worker"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._send({"folder": str(folder), "vocabulary": vocabulary, "engines": engines, "threads": threads,
+                    "token_batches": token_batches, **settings})
+        self._receive()  # converted (`folder`/model to `folder`/ct2) and loaded
+
+    def _send(self, message: dict) -> None:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+
+    def _receive(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"The CTranslate2 worker process exited (code {self.process.wait()}); its error is "
+                               "printed above.")
+        return json.loads(line)["result"]
+
+    def run(self, name: str) -> list[list[str]]:
+        self._send({"run": name})
+        return self._receive()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
+
+
+def _ct2_worker() -> None:
+    """The `_CT2Worker` process: convert the model, load the translators, then translate every batch with the engine
+    each line names."""
+    import ctranslate2
+
+    from vaswani_hf.decoding.ct2 import convert_to_ct2
+
+    job = json.loads(sys.stdin.readline())
+    folder = Path(job["folder"])
+    convert_to_ct2(folder / "model", folder / "ct2", vocabulary=job["vocabulary"])
+    threads, token_batches, num_beams = job["threads"], job["token_batches"], job["num_beams"]
+    new_tokens, length_penalty = job["new_tokens"], job["length_penalty"]
+    translators = {name: ctranslate2.Translator(
+        str(folder / "ct2"), device="cpu", compute_type=name.split("_")[1],
+        **(dict(intra_threads=1, inter_threads=threads) if name.endswith("side_by_side") else
+           dict(intra_threads=threads, inter_threads=1)))
+        for name in job["engines"]}
+
+    def answer(result) -> None:
+        sys.stdout.write(json.dumps({"result": result}) + "\n")
+        sys.stdout.flush()
+
+    answer(True)
+    for line in sys.stdin:
+        name = json.loads(line)["run"]
+        translator = translators[name]
+        if name.endswith("side_by_side"):  # every batch at once; CTranslate2 runs inter_threads of them at a time
+            limit = new_tokens if new_tokens is not None else max(len(t) for b in token_batches for t in b) + 50
+            out = translator.translate_batch(
+                [t for b in token_batches for t in b], max_batch_size=job["batch_size"], beam_size=num_beams,
+                length_penalty=length_penalty, return_end_token=True, max_decoding_length=limit,
+                min_decoding_length=new_tokens or 1)
+            answer([[t for t in r.hypotheses[0] if t != "</s>"] for r in out])
+            continue
+        results = []
+        for tokens in token_batches:
+            limit = new_tokens if new_tokens is not None else max(map(len, tokens)) + 50
+            out = translator.translate_batch(
+                tokens, beam_size=num_beams, length_penalty=length_penalty, return_end_token=True,
+                max_decoding_length=limit, min_decoding_length=new_tokens or 1)
+            results += [[t for t in r.hypotheses[0] if t != "</s>"] for r in out]
+        answer(results)
 
 
 def print_report(results: dict) -> None:
@@ -294,4 +362,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--ct2-worker"]:
+        _ct2_worker()
+    else:
+        main()

@@ -7,6 +7,8 @@ CTranslate2 picks its kernels by the CPU's instruction set (int8 products with A
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -282,6 +284,24 @@ def test_speed_benchmark_runs_and_agrees(trained):
     for name in ("ct2_float32", "ct2_float32_side_by_side", "ours_side_by_side"):  # the same work is timed
         assert results["agreement_with_ours"][name] == 1.0, name
     assert len(results["runs"]["ct2_int8"]) == 1
+
+
+def test_speed_benchmark_keeps_ctranslate2_out_of_the_process_it_times_ours_in():
+    """CTranslate2's bundled OpenMP runtime slows torch's threads in a process where it has run, so the benchmark
+    converts and translates with it in a worker process: ours is timed in a process that never loads it."""
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import bench_ct2, torch\n"
+        "from vaswani_hf import VaswaniConfig, VaswaniForConditionalGeneration\n"
+        "torch.manual_seed(0)\n"
+        "config = VaswaniConfig(vocab_size=200, dropout=0.0, **bench_ct2.PRESETS['tiny'])\n"
+        "model = VaswaniForConditionalGeneration(config)\n"
+        "r = bench_ct2.bench_ct2(model, inputs=bench_ct2._random_inputs(6, 8, 200), new_tokens=6, repetitions=1,\n"
+        "                        threads=1, engines=('ours', 'ct2_float32'))\n"
+        "print('loaded' if 'ctranslate2' in sys.modules else 'not loaded', r['agreement_with_ours']['ct2_float32'])\n")
+    done = subprocess.run([sys.executable, "-c", script, str(ROOT / "benchmarks")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == ["not", "loaded", "1.0"], done.stdout
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "parent"])
