@@ -247,6 +247,7 @@ class _CT2Worker:
 def _ct2_worker() -> None:
     """The `_CT2Worker` process: convert the model, load the translators, then translate every batch with the engine
     each line names."""
+    answers, sys.stdout = sys.stdout, sys.stderr  # anything else printed here must not reach the answers' pipe
     import ctranslate2
 
     from vaswani_hf.decoding.ct2 import convert_to_ct2
@@ -263,8 +264,8 @@ def _ct2_worker() -> None:
         for name in job["engines"]}
 
     def answer(result) -> None:
-        sys.stdout.write(json.dumps({"result": result}) + "\n")
-        sys.stdout.flush()
+        answers.write(json.dumps({"result": result}) + "\n")
+        answers.flush()
 
     answer(True)
     for line in sys.stdin:
