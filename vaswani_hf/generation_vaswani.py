@@ -782,8 +782,10 @@ class VaswaniGenerationMixin(GenerationMixin):
         # Private hook: the only one that sees the call's resolved GenerationConfig before beam search's first step.
         scores_only = sequences_scores_only(generation_config)
         eligible = leaves_finished_out(self, input_ids, generation_config, synced_gpus, model_kwargs, scores_only)
-        lean = LeanBeamSearch.applies(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                      model_kwargs) if eligible and self.lean_beam_search else None
+        lean = None
+        if eligible and self.lean_beam_search:
+            lean = LeanBeamSearch.applies(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                          model_kwargs)
         if lean is not None:
             sequences, sequences_scores = lean.run(input_ids, model_kwargs)
             return GenerateBeamEncoderDecoderOutput(sequences=sequences, sequences_scores=sequences_scores) \
@@ -814,10 +816,11 @@ class VaswaniGenerationMixin(GenerationMixin):
         runs as `LeanGreedySearch` where `leaves_finished_out` holds and `LeanGreedySearch.applies` (unless
         `lean_beam_search` is False): the same sequences, finished sentences left out of the steps after they end."""
         # Private hook: the only one that sees greedy search's resolved config, processors and stopping criteria.
-        lean = LeanGreedySearch.applies(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                        model_kwargs) \
-            if streamer is None and self.lean_beam_search \
-            and leaves_finished_out(self, input_ids, generation_config, synced_gpus, model_kwargs) else None
+        lean = None
+        if streamer is None and self.lean_beam_search \
+                and leaves_finished_out(self, input_ids, generation_config, synced_gpus, model_kwargs):
+            lean = LeanGreedySearch.applies(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                            model_kwargs)
         if lean is not None:
             return lean.run(input_ids, model_kwargs)[0]
         return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
