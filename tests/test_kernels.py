@@ -4,8 +4,9 @@ promised, and leave the model plain outside.
 - `cpu_dropout` (`CPUDropout`, a cheaper random mask) has dropout's distribution, scale and gradient;
 - "vaswani_sdpa" runs `cpu_attention_forward` (in fp32) on a CPU in bf16 and with attention dropout, and torch's
   SDPA otherwise;
-- `generate()` multiplies with oneDNN-packed weights (`inference_fast_paths`), giving `nn.Linear`'s outputs, packing
-  once while the weights stay unchanged, falling back to `nn.Linear` where packing fails, for several threads at once;
+- `generate()` multiplies with packed weights (`inference_fast_paths`; MKL's packed sgemm, else oneDNN's layout),
+  one packing for every row count, giving `nn.Linear`'s outputs, packing once per call, falling back to `nn.Linear`
+  where packing fails, for several threads at once;
 - fp32 CPU training linears in oneDNN (`OneDNNLinear`, where `cpu_training_matmul` finds it much faster than BLAS)
   give `nn.Linear`'s outputs and gradients, only in fp32 training steps;
 - the fused output projection and loss (`cpu_projected_cross_entropy`) is the cross-entropy of the projection;
@@ -254,8 +255,8 @@ needs_onednn = pytest.mark.skipif(
 @needs_onednn
 def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
     calls = []
-    onednn_linear = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: calls.append(1) or onednn_linear(*args))
+    packed_linear = kernels_vaswani.packed_linear
+    monkeypatch.setattr(kernels_vaswani, "packed_linear", lambda *args: calls.append(1) or packed_linear(*args))
     model = tiny_model()
     ids, mask = padded_batch(length=9)
     decoder_ids = torch.randint(3, 99, (3, 5), generator=torch.Generator().manual_seed(4))
@@ -273,7 +274,7 @@ def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
             assert model.lm_head.packed_weight is not None
     assert module_types(model) == PLAIN_TYPES and model.config._attn_implementation == "sdpa"  # undone on exit
     assert not any({"packed_weight", "stacked"} & set(vars(m)) for m in model.modules())
-    # oneDNN ran every linear map once, the input projections of an attention stacked into one product: 2 encoder
+    # the packed product ran every linear map once, the input projections of an attention stacked into one: 2 encoder
     # layers x 4 (q|k|v, out, fc1, fc2), 2 decoder layers x 7 (q|k|v, out, cross-attention q, k|v and out, fc1, fc2),
     # and lm_head; and it gave what nn.Linear gives
     assert len(calls) == 2 * 4 + 2 * 7 + 1
@@ -282,6 +283,44 @@ def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
     with torch.no_grad():
         rounded = bf16_rounded_linears(model)(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
     assert (rounded - plain).abs().max() > 1e-3
+
+
+@needs_onednn
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_one_packing_computes_nn_linear_for_every_row_count(monkeypatch, library):
+    """A weight packed once (`pack_for_inference`) serves every row count a beam search passes as sentences finish
+    (MKL's packed sgemm is packed for 64 rows and computes any), 2-D and 3-D inputs, and an empty one."""
+    if library == "mkl" and not kernels_vaswani.has_mkl_packed_linear():
+        pytest.skip("this torch build has no MKL: pack_for_inference packs for oneDNN, the other case")
+    if library == "onednn":
+        monkeypatch.setattr(kernels_vaswani, "has_mkl_packed_linear", lambda: False)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 48) / 7, torch.randn(300)
+    packed = kernels_vaswani.pack_for_inference(weight)
+    assert packed[2] == library
+    for rows in (1, 3, 4, 17, 63, 64, 65, 128, 130, 257):
+        x = torch.randn(rows, 48)
+        expected = F.linear(x, weight, bias)
+        got = kernels_vaswani.packed_linear(x, packed, bias)
+        assert got.shape == (rows, 300)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kernels_vaswani.packed_linear(x, packed), x @ weight.T, rtol=1e-5, atol=1e-5)
+    x = torch.randn(5, 13, 48)
+    torch.testing.assert_close(kernels_vaswani.packed_linear(x, packed, bias), F.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(kernels_vaswani.packed_linear(torch.randn(0, 48), packed, bias), torch.empty(0, 300))
+    # control: another weight's packing is off by orders of magnitude more than the tolerance
+    other = kernels_vaswani.pack_for_inference(weight.roll(1, dims=0))
+    assert (kernels_vaswani.packed_linear(x, other, bias) - F.linear(x, weight, bias)).abs().max() > 0.1
+
+
+def test_inference_packing_takes_mkl_where_torch_has_it():
+    """On x86 builds (torch with MKL) the decoding products read MKL's packed layout, the faster one there
+    (docs/performance.md); elsewhere oneDNN's."""
+    if not (torch.backends.mkl.is_available() or torch.backends.mkldnn.is_available()):
+        pytest.skip("this torch has neither MKL nor oneDNN: generate() runs nn.Linear (test_generation.py)")
+    expected = "mkl" if torch.backends.mkl.is_available() else "onednn"
+    assert kernels_vaswani.pack_for_inference(torch.randn(8, 4))[2] == expected
 
 
 @needs_onednn
@@ -340,9 +379,10 @@ def test_generate_falls_back_to_nn_linear_when_packing_fails(monkeypatch):
     expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
 
     def refuse(weight, batch_size):
-        raise RuntimeError("this oneDNN cannot pack")
+        raise RuntimeError("this build cannot pack")
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", refuse)
     with inference_fast_paths(model):
         assert type(model.lm_head) is nn.Linear
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6), expected)
@@ -351,8 +391,8 @@ def test_generate_falls_back_to_nn_linear_when_packing_fails(monkeypatch):
 @needs_onednn
 def test_generate_packs_the_weights_as_they_are_at_every_call(monkeypatch):
     packs = []
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda *args: packs.append(1) or reorder(*args))
+    pack = fast_paths_vaswani.pack_for_inference
+    monkeypatch.setattr(fast_paths_vaswani, "pack_for_inference", lambda *args: packs.append(1) or pack(*args))
     model = tiny_model()
     ids, mask = padded_batch(length=9)
     first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)

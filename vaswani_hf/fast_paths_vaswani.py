@@ -2,7 +2,7 @@
 
 - every `generate()` call (`VaswaniGenerationMixin`) runs inside `inference_fast_paths`: attention "sdpa" runs as
   "vaswani_sdpa" (a sentence's beams against one encoder row), and on a CPU in fp32 the model's linear layers become
-  `OneDNNLinear`s with weights packed in oneDNN's layout at the start of the call;
+  `OneDNNLinear`s with weights packed at the start of the call (MKL's packed sgemm, else oneDNN's layout);
 - the training commands (their trainer and their loop) run inside `training_fast_paths` for the whole run: the
   model's `forward` trains on the label-smoothed loss of §5.4 (`training_forward`: on a CPU on the unpadded tokens of
   the batch and with the fused output projection and loss), and on a CPU dropout becomes `CPUDropout`, the linears
@@ -27,7 +27,15 @@ from torch import nn
 from transformers.modeling_outputs import Seq2SeqLMOutput
 from transformers.utils import logging
 
-from .kernels_vaswani import CPUDropout, OneDNNLinear, cpu_projected_cross_entropy, has_onednn_linear, unpad_batch
+from .kernels_vaswani import (
+    CPUDropout,
+    OneDNNLinear,
+    cpu_projected_cross_entropy,
+    has_mkl_packed_linear,
+    has_onednn_linear,
+    pack_for_inference,
+    unpad_batch,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -105,14 +113,15 @@ def _attention(model: nn.Module):
     return undo
 
 
-def _packed(module: nn.Linear, layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weights of `layers` stacked (one layer: its own) in oneDNN's layout, and their biases stacked; packed anew
-    for every call, from the weights as they are (no check that a kept copy is still right could be exact for less
-    than the packing costs: a write through `.data`, or torch's fused Adam, leaves the version counter as it was)."""
-    weight = torch.cat([layer.weight.detach() for layer in layers])
+def _packed(module: nn.Linear, layers: list[nn.Linear]) -> tuple[tuple, torch.Tensor | None]:
+    """The weights of `layers` stacked (one layer: its own) and packed (`pack_for_inference`), their biases stacked;
+    packed anew for every call, from the weights as they are (no check that a kept copy is still right could be exact
+    for less than the packing costs: a write through `.data`, or torch's fused Adam, leaves the version counter as it
+    was)."""
+    weight = layers[0].weight.detach() if len(layers) == 1 else torch.cat([layer.weight.detach() for layer in layers])
     biases = [layer.bias for layer in layers]
     bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 64), bias if len(layers) > 1 else module.bias
+    return pack_for_inference(weight), bias if len(layers) > 1 else module.bias
 
 
 def _stacks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, list[nn.Linear]]:
@@ -133,14 +142,15 @@ def _stacks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, list[
 @contextlib.contextmanager
 def inference_fast_paths(model: nn.Module, packed_linears: bool = True):
     """`generate()`'s fast paths for one call: attention "sdpa" runs as "vaswani_sdpa", and, with `packed_linears`,
-    for an fp32 model on a CPU without autocast, the model's linears multiply with oneDNN-packed weights
+    for an fp32 model on a CPU without autocast, the model's linears multiply with packed weights
     (`OneDNNLinear`), the input projections that read one input stacked into one product. The weights are packed at
     the start of the call from the weights as they are (a copy of each, as much memory again, freed at its end).
     Undone on exit."""
     def install():
         plain, swapped = own_modules(model, nn.Linear), own_modules(model, OneDNNLinear)  # the latter: in training
         linears = plain + swapped
-        wanted = (packed_linears and has_onednn_linear() and linears and not torch.is_autocast_enabled("cpu")
+        wanted = (packed_linears and (has_mkl_packed_linear() or has_onednn_linear()) and linears
+                  and not torch.is_autocast_enabled("cpu")
                   and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in linears))
         stacks = _stacks(model, linears) if wanted else {}
         following = {layer for group in stacks.values() for layer in group[1:]}  # computed by their stack
@@ -148,8 +158,8 @@ def inference_fast_paths(model: nn.Module, packed_linears: bool = True):
         try:
             packed = {module: _packed(module, [module]) for module in alone} if wanted else {}
             packed.update({first: _packed(first, group) for first, group in stacks.items()})
-        except RuntimeError as error:  # a torch build whose oneDNN cannot pack these weights: the plain path
-            logger.warning_once(f"generate(): oneDNN weight packing failed ({error}); using nn.Linear.")
+        except RuntimeError as error:  # a torch build that cannot pack these weights: the plain path
+            logger.warning_once(f"generate(): weight packing failed ({error}); using nn.Linear.")
             packed, stacks = {}, {}
 
         def undo():

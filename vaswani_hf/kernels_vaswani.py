@@ -12,8 +12,8 @@ tests/test_kernels.py holds each path against the plain model):
 - `CPUDropout`: `nn.Dropout` whose random mask costs a fifth of torch's on a CPU;
 - `OneDNNLinear`: `nn.Linear` whose products run in oneDNN: in fp32 training where oneDNN is much faster than torch's
   BLAS on this CPU (`cpu_training_matmul`), in bf16 autocast training on row counts rounded up to a multiple of
-  `TRAINING_ROW_MULTIPLE` (so that oneDNN reuses the kernels it compiled for earlier steps), and with weights
-  prepacked in oneDNN's layout in inference;
+  `TRAINING_ROW_MULTIPLE` (so that oneDNN reuses the kernels it compiled for earlier steps); in inference with weights
+  prepacked (`pack_for_inference`: MKL's packed sgemm where torch has MKL, else oneDNN's layout);
 - `cpu_projected_cross_entropy`: the output projection and the label-smoothed loss of a training step in one
   function that writes one buffer of the logits' size where `F.cross_entropy` writes four.
 
@@ -276,7 +276,7 @@ def unpad_batch(inputs: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor]
                 max_length_source=max_source, max_length_target=max_target), target_labels
 
 
-# Linear layers in oneDNN ---------------------------------------------------------------------------------------------
+# Linear layers in oneDNN and MKL -------------------------------------------------------------------------------------
 
 
 @functools.cache
@@ -287,6 +287,37 @@ def has_onednn_linear() -> bool:
                     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
     except (AttributeError, RuntimeError):
         return False
+
+
+@functools.cache
+def has_mkl_packed_linear() -> bool:
+    """Whether this torch has MKL and its packed-sgemm linear operators (x86 builds)."""
+    try:
+        return bool(torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+                    and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_for_inference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """An fp32 `(N, K)` weight packed for `packed_linear`: in MKL's packed-sgemm layout where torch has MKL (the
+    layout CTranslate2's fp32 products read on x86; one packing serves every row count), else in oneDNN's blocked
+    layout. Returns `(packed, weight, library)`; the weight gives MKL's product its shape (it is not read)."""
+    if has_mkl_packed_linear():
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, 64), weight, "mkl"
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64), weight, "onednn"
+
+
+def packed_linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, str],
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for `(..., K)` x with W packed by `pack_for_inference` -> `(..., N)`, fp32."""
+    data, weight, library = packed
+    if library == "onednn":
+        return _onednn_linear(x, data, bias)
+    if x.numel() == 0:
+        out = x.new_zeros(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
+    return torch.ops.mkl._mkl_linear(x, data, weight, bias, x.numel() // x.shape[-1])
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -457,13 +488,14 @@ _AHEAD = threading.local()
 
 
 class OneDNNLinear(nn.Linear):
-    """`nn.Linear` whose products run in oneDNN on a CPU, computing x W^T + b to fp32 rounding:
+    """`nn.Linear` whose products run in oneDNN (or MKL) on a CPU, computing x W^T + b to fp32 rounding:
 
-    - in an fp32 forward without autograd (a decoding step), with the weight packed in oneDNN's blocked layout
-      (`packed_weight`, set by `fast_paths_vaswani.inference_fast_paths`): for the few rows of a decoding step, faster
-      than torch's BLAS call. With `stacked` (a packed weight stacking this layer's and the next layers', their bias,
-      those layers) one product computes all of them for the same input, as attention's W^Q, W^K and W^V (or W^K and
-      W^V) read one input: the others' outputs wait for their own calls on that input;
+    - in an fp32 forward without autograd (a decoding step), with the weight packed by `pack_for_inference` (MKL's
+      packed sgemm, else oneDNN's blocked layout; `packed_weight`, set by `fast_paths_vaswani.inference_fast_paths`):
+      for the few rows of a decoding step, faster than torch's BLAS call. With `stacked` (a packed weight stacking
+      this layer's and the next layers', their bias, those layers) one product computes all of them for the same
+      input, as attention's W^Q, W^K and W^V (or W^K and W^V) read one input: the others' outputs wait for their own
+      calls on that input;
     - in an fp32 training-mode forward with autograd, where `cpu_training_matmul()` chose oneDNN;
     - in a training-mode forward with autograd under CPU bf16 autocast (fp32 weights) where oneDNN multiplies bf16
       (`onednn_bf16`), as autocast computes it but on rows padded to `TRAINING_ROW_MULTIPLE` (`_Bf16LinearFunction`).
@@ -493,9 +525,9 @@ class OneDNNLinear(nn.Linear):
             return waiting[1]
         if self.uses_packed(x):
             if self.stacked is None:
-                return _onednn_linear(x, self.packed_weight, self.bias)
+                return packed_linear(x, self.packed_weight, self.bias)
             weight, bias, following = self.stacked
-            outputs = _onednn_linear(x, weight, bias).split(self.out_features, dim=-1)
+            outputs = packed_linear(x, weight, bias).split(self.out_features, dim=-1)
             if not hasattr(_AHEAD, "outputs"):
                 _AHEAD.outputs = {}
             _AHEAD.outputs.update({layer: (x, output) for layer, output in zip(following, outputs[1:], strict=True)})
