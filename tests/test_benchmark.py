@@ -261,3 +261,27 @@ def test_real_steps_benchmark_trains_on_real_batches_and_writes_its_record(tmp_p
     assert 1000 < result["tokens_per_second"] * result["mean_step_s"] <= 2048
     assert result["code"] != "unknown" and result["torch"] == torch.__version__
     assert f"median step {result['median_step_s'] * 1e3:.1f} ms" in done.stdout
+
+
+def test_decoding_products_benchmark_times_every_product_of_a_step_in_each_library(monkeypatch):
+    from vaswani_hf import kernels_vaswani
+
+    spec = importlib.util.spec_from_file_location("bench_decoding_products",
+                                                  ROOT / "benchmarks" / "bench_decoding_products.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+    packed_linear = kernels_vaswani.packed_linear
+    monkeypatch.setattr(kernels_vaswani, "packed_linear", lambda x, packed, bias: calls.append(packed[2])
+                        or packed_linear(x, packed, bias))
+    shapes = bench.step_shapes(d_model=16, d_ff=32, layers=2, vocab_size=50)
+    assert len(shapes) == 2 * 6 + 1 and shapes[-1] == (16, 50) and shapes[0] == (16, 48)
+    report = bench.main(["--preset", "cpu", "--vocab_size", "50", "--rows", "3", "8", "--steps", "2", "--warmup", "1"])
+    libraries = {"blas"} | ({"onednn"} if kernels_vaswani.has_onednn_linear() else set()) \
+        | ({"mkl"} if kernels_vaswani.has_mkl_packed_linear() else set())
+    for result in report["results"].values():
+        assert set(result["ms_per_step"]) == libraries and all(positive(t) for t in result["ms_per_step"].values())
+        if "onednn" in libraries:
+            assert result["over_onednn"]["onednn"] == 1.0
+    # each packed library: 2 row counts x (1 warm-up + 2 timed) steps x 19 products (3 layers x 6 + the projection)
+    assert {name: calls.count(name) for name in set(calls)} == {name: 2 * 3 * 19 for name in libraries - {"blas"}}
