@@ -330,9 +330,33 @@ def test_assisted_sampling_returns_one_step_per_token():
     for step in range(6):
         assert out.scores[step].shape == (1, VOCAB)
         assert all(a.shape == (1, HEADS, 1, step + 1) for a in out.decoder_attentions[step])
-        assert all(a.shape == (1, HEADS, 1, ids.shape[1]) for a in out.cross_attentions[step])
     tokens = out.sequences[0, 1:]
     assert all(torch.isfinite(out.scores[step][0, tokens[step]]) for step in range(6))
+
+
+def _splits_cross_attention_by_query() -> bool:
+    """Whether this transformers' assisted decoding splits a `(B, H, n, S)` cross-attention of n accepted tokens into
+    n `(B, H, 1, S)` entries; 5.25.0 narrows it along dimension 1 (the heads), for every encoder-decoder model
+    (MarianMTModel's come back as `(B, 1, n, S)` too)."""
+    from transformers.generation.utils import _split_model_outputs
+
+    split = _split_model_outputs((), (torch.zeros(1, HEADS, 2, 9),), cur_len=1, added_len=2)
+    return all(entry[0].shape == (1, HEADS, 1, 9) for entry in split)
+
+
+@pytest.mark.xfail(not _splits_cross_attention_by_query(), strict=True,
+                   reason="this transformers' assisted decoding splits cross-attentions along the heads "
+                          "(transformers 5.25.0: `_split_model_outputs` narrows dimension 1 unless told it is decoder "
+                          "attention), in MarianMTModel as here")
+def test_assisted_sampling_returns_one_cross_attention_entry_per_token():
+    model = tiny_model(SEED)
+    ids, mask = batch()
+    torch.manual_seed(0)
+    out = model.generate(input_ids=ids[:1], attention_mask=mask[:1], assistant_model=tiny_model(seed=4),
+                         do_sample=True, num_beams=1, max_new_tokens=6, min_new_tokens=6, **EVERYTHING)
+    assert len(out.cross_attentions) == 6
+    for step in range(6):
+        assert all(a.shape == (1, HEADS, 1, ids.shape[1]) for a in out.cross_attentions[step])
 
 
 @pytest.mark.parametrize("kwargs", [GREEDY, dict(num_beams=3)], ids=["greedy", "beam"])

@@ -302,7 +302,12 @@ def has_mkl_packed_linear() -> bool:
 def pack_for_inference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
     """An fp32 `(N, K)` weight packed for `packed_linear`: in MKL's packed-sgemm layout where torch has MKL (the
     layout CTranslate2's fp32 products read on x86; one packing serves every row count), else in oneDNN's blocked
-    layout. Returns `(packed, weight, library)`; the weight gives MKL's product its shape (it is not read)."""
+    layout. Returns `(packed, weight, library)`; the weight gives MKL's product its shape (it is not read).
+
+    Raises:
+        RuntimeError: from torch, where this build cannot pack the weight (`inference_fast_paths` then decodes with
+            `nn.Linear`).
+    """
     if has_mkl_packed_linear():
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, 64), weight, "mkl"
     return torch.ops.mkldnn._reorder_linear_weight(weight, 64), weight, "onednn"
