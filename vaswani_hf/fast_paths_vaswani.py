@@ -144,7 +144,8 @@ def inference_fast_paths(model: nn.Module, packed_linears: bool = True):
     """`generate()`'s fast paths for one call: attention "sdpa" runs as "vaswani_sdpa", and, with `packed_linears`,
     for an fp32 model on a CPU without autocast, the model's linears multiply with packed weights
     (`OneDNNLinear`), the input projections that read one input stacked into one product. The weights are packed at
-    the start of the call from the weights as they are (a copy of each, as much memory again, freed at its end).
+    the start of the call from the weights as they are (a packed copy of each, as much memory again, and the stacked
+    input projections' weights once more, freed at its end).
     Undone on exit."""
     def install():
         plain, swapped = own_modules(model, nn.Linear), own_modules(model, OneDNNLinear)  # the latter: in training
