@@ -45,10 +45,10 @@ def bench(shapes, rows_list, steps: int, warmup: int) -> dict:
     weights = [torch.randn(n, k) / k**0.5 for k, n in shapes]
     biases = [torch.randn(n) for _, n in shapes]
     libraries = {"blas": None}
-    if kernels_vaswani.has_onednn_linear():
-        libraries["onednn"] = [(torch.ops.mkldnn._reorder_linear_weight(w, 64), w, "onednn") for w in weights]
-    if kernels_vaswani.has_mkl_packed_linear():
-        libraries["mkl"] = [(torch.ops.mkl._mkl_reorder_linear_weight(w, 64), w, "mkl") for w in weights]
+    for library, available in (("onednn", kernels_vaswani.has_onednn_linear),
+                               ("mkl", kernels_vaswani.has_mkl_packed_linear)):
+        if available():
+            libraries[library] = [kernels_vaswani.pack_for_inference(w, library) for w in weights]
     results = {}
     with torch.inference_mode():
         for rows in rows_list:

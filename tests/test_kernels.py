@@ -287,16 +287,14 @@ def test_packed_linears_compute_what_nn_linear_computes(monkeypatch):
 
 @needs_onednn
 @pytest.mark.parametrize("library", ["mkl", "onednn"])
-def test_one_packing_computes_nn_linear_for_every_row_count(monkeypatch, library):
+def test_one_packing_computes_nn_linear_for_every_row_count(library):
     """A weight packed once (`pack_for_inference`) serves every row count a beam search passes as sentences finish
     (MKL's packed sgemm is packed for 64 rows and computes any), 2-D and 3-D inputs, and an empty one."""
     if library == "mkl" and not kernels_vaswani.has_mkl_packed_linear():
         pytest.skip("this torch build has no MKL: pack_for_inference packs for oneDNN, the other case")
-    if library == "onednn":
-        monkeypatch.setattr(kernels_vaswani, "has_mkl_packed_linear", lambda: False)
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 48) / 7, torch.randn(300)
-    packed = kernels_vaswani.pack_for_inference(weight)
+    packed = kernels_vaswani.pack_for_inference(weight, library)
     assert packed[2] == library
     for rows in (1, 3, 4, 17, 63, 64, 65, 128, 130, 257):
         x = torch.randn(rows, 48)
@@ -310,7 +308,7 @@ def test_one_packing_computes_nn_linear_for_every_row_count(monkeypatch, library
                                rtol=1e-5, atol=1e-5)
     assert torch.equal(kernels_vaswani.packed_linear(torch.randn(0, 48), packed, bias), torch.empty(0, 300))
     # control: another weight's packing is off by orders of magnitude more than the tolerance
-    other = kernels_vaswani.pack_for_inference(weight.roll(1, dims=0))
+    other = kernels_vaswani.pack_for_inference(weight.roll(1, dims=0), library)
     assert (kernels_vaswani.packed_linear(x, other, bias) - F.linear(x, weight, bias)).abs().max() > 0.1
 
 
@@ -321,6 +319,8 @@ def test_inference_packing_takes_mkl_where_torch_has_it():
         pytest.skip("this torch has neither MKL nor oneDNN: generate() runs nn.Linear (test_generation.py)")
     expected = "mkl" if torch.backends.mkl.is_available() else "onednn"
     assert kernels_vaswani.pack_for_inference(torch.randn(8, 4))[2] == expected
+    with pytest.raises(ValueError, match='library must be "mkl" or "onednn"'):
+        kernels_vaswani.pack_for_inference(torch.randn(8, 4), "blas")
 
 
 @needs_onednn

@@ -113,15 +113,16 @@ def _attention(model: nn.Module):
     return undo
 
 
-def _packed(module: nn.Linear, layers: list[nn.Linear]) -> tuple[tuple, torch.Tensor | None]:
-    """The weights of `layers` stacked (one layer: its own) and packed (`pack_for_inference`), their biases stacked;
-    packed anew for every call, from the weights as they are (no check that a kept copy is still right could be exact
-    for less than the packing costs: a write through `.data`, or torch's fused Adam, leaves the version counter as it
-    was)."""
-    weight = layers[0].weight.detach() if len(layers) == 1 else torch.cat([layer.weight.detach() for layer in layers])
+def _packed(layers: list[nn.Linear]) -> tuple[tuple, torch.Tensor | None]:
+    """The weights of `layers` stacked (one layer: its own) and packed (`pack_for_inference`), and their bias (one
+    layer: its own; several: stacked, or None where one has none); packed anew for every call, from the weights as
+    they are (no check that a kept copy is still right could be exact for less than the packing costs: a write
+    through `.data`, or torch's fused Adam, leaves the version counter as it was)."""
+    if len(layers) == 1:
+        return pack_for_inference(layers[0].weight.detach()), layers[0].bias
     biases = [layer.bias for layer in layers]
     bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-    return pack_for_inference(weight), bias if len(layers) > 1 else module.bias
+    return pack_for_inference(torch.cat([layer.weight.detach() for layer in layers])), bias
 
 
 def _stacks(model: nn.Module, linears: list[nn.Linear]) -> dict[nn.Linear, list[nn.Linear]]:
@@ -157,8 +158,8 @@ def inference_fast_paths(model: nn.Module, packed_linears: bool = True):
         following = {layer for group in stacks.values() for layer in group[1:]}  # computed by their stack
         alone = [module for module in linears if module not in stacks and module not in following]
         try:
-            packed = {module: _packed(module, [module]) for module in alone} if wanted else {}
-            packed.update({first: _packed(first, group) for first, group in stacks.items()})
+            packed = {module: _packed([module]) for module in alone} if wanted else {}
+            packed.update({first: _packed(group) for first, group in stacks.items()})
         except RuntimeError as error:  # a torch build that cannot pack these weights: the plain path
             logger.warning_once(f"generate(): weight packing failed ({error}); using nn.Linear.")
             packed, stacks = {}, {}

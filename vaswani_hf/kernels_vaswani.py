@@ -299,18 +299,24 @@ def has_mkl_packed_linear() -> bool:
         return False
 
 
-def pack_for_inference(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """An fp32 `(N, K)` weight packed for `packed_linear`: in MKL's packed-sgemm layout where torch has MKL (the
-    layout CTranslate2's fp32 products read on x86; one packing serves every row count), else in oneDNN's blocked
-    layout. Returns `(packed, weight, library)`; the weight gives MKL's product its shape (it is not read).
+def pack_for_inference(weight: torch.Tensor, library: str | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """An fp32 `(N, K)` weight packed for `packed_linear`, by `library`: "mkl" (MKL's packed-sgemm layout, the one
+    CTranslate2's fp32 products read on x86; one packing serves every row count) or "onednn" (oneDNN's blocked
+    layout); default "mkl" where torch has MKL, else "onednn". Returns `(packed, weight, library)`; the weight gives
+    MKL's product its shape (it is not read).
 
     Raises:
+        ValueError: another `library`.
         RuntimeError: from torch, where this build cannot pack the weight (`inference_fast_paths` then decodes with
             `nn.Linear`).
     """
-    if has_mkl_packed_linear():
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight, 64), weight, "mkl"
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 64), weight, "onednn"
+    library = library or ("mkl" if has_mkl_packed_linear() else "onednn")
+    if library == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, 64), weight, library
+    if library == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 64), weight, library
+    raise ValueError(f'pack_for_inference: library must be "mkl" or "onednn" (or None for the default), got '
+                     f"{library!r}.")
 
 
 def packed_linear(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor, str],
