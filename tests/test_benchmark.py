@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -261,6 +262,42 @@ def test_real_steps_benchmark_trains_on_real_batches_and_writes_its_record(tmp_p
     assert 1000 < result["tokens_per_second"] * result["mean_step_s"] <= 2048
     assert result["code"] != "unknown" and result["torch"] == torch.__version__
     assert f"median step {result['median_step_s'] * 1e3:.1f} ms" in done.stdout
+
+
+def test_real_steps_benchmark_alternates_batch_by_batch_with_a_baseline_kernels_file(tmp_path):
+    """--baseline-kernels: every batch once with the tree's kernels and once with the file's, whose names and classes
+    (the installed dropout modules', the fused loss the step looks up in fast_paths_vaswani) are the ones in use."""
+    calls, baseline = tmp_path / "calls.txt", tmp_path / "kernels_baseline.py"
+    baseline.write_text((ROOT / "vaswani_hf" / "kernels_vaswani.py").read_text() + textwrap.dedent(f"""
+
+        def _note(what):
+            with open({str(calls)!r}, "a") as file:
+                file.write(what + "\\n")
+
+        _fused_loss = cpu_projected_cross_entropy
+
+        def cpu_projected_cross_entropy(*args, **kwargs):
+            _note("loss")
+            return _fused_loss(*args, **kwargs)
+
+        class CPUDropout(CPUDropout):
+            def forward(self, x):
+                _note("dropout")
+                return super().forward(x)
+        """))
+    output = tmp_path / "paired.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_real_steps.py"), "--steps", "4",
+                           "--warmup", "1", "--precision", "fp32", "--baseline-kernels", str(baseline),
+                           "--output", str(output)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(output.read_text())
+    noted = calls.read_text().split()
+    assert noted.count("loss") == 4  # one fused loss a batch, the baseline's: 4 batches, each once with it
+    dropouts = noted.count("dropout")
+    assert dropouts > 0 and dropouts % 4 == 0  # the baseline's class on the model's dropout modules, every step
+    assert result["steps_timed"] == 3 and positive(result["paired"]["baseline_median_step_s"])
+    assert positive(result["paired"]["median_paired_ratio"]) and positive(result["paired"]["ratio_of_medians"])
+    assert "baseline / this tree" in done.stdout
 
 
 def test_decoding_products_benchmark_times_every_product_of_a_step_in_each_library(monkeypatch):
