@@ -130,6 +130,27 @@ def test_cpu_dropout_gradient_is_the_mask_times_the_scale():
     torch.testing.assert_close(x.grad, expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_dropout_backward_keeps_two_bytes_and_is_f_dropouts_gradient_bit_for_bit(dtype):
+    """The backward pass applies the forward pass's mask and scale, rounded as `F.dropout`'s backward rounds them
+    (`where(keep, g, 0) * scale` in the dtype), from 2 bytes kept per element (the random integers in fp32, the 0/1
+    mask in bf16)."""
+    p = 0.1
+    x = (torch.rand(257, 63) + 0.5).to(dtype).requires_grad_()
+    grad = torch.randn(257, 63).to(dtype)
+    torch.manual_seed(7)
+    out = cpu_dropout(x, p)
+    kept = [(t.numel(), t.element_size()) for t in out.grad_fn.saved_tensors]
+    out.backward(grad)
+    torch.manual_seed(7)
+    bits = torch.empty((x.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+    keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= -(2**15) + round(p * 2**16)
+    expected = torch.where(keep, grad, 0.0).mul_(1 / (1 - p))
+    assert torch.equal(x.grad, expected)
+    assert not torch.equal(x.grad, torch.where(keep, grad, 0.0))  # the scale is applied
+    assert kept == [(x.numel(), 2)]
+
+
 def test_cpu_dropout_is_seeded_identity_in_eval_and_keeps_the_dtype():
     x = torch.rand(8, 16) + 0.5
     torch.manual_seed(3)

@@ -62,23 +62,33 @@ def _dropout_keep_mask(bits: torch.Tensor, p: float, dtype: torch.dtype) -> torc
 
 class _CPUDropoutFunction(torch.autograd.Function):
     """Inverted dropout: kept elements scaled by 1 / (1 - p), as `F.dropout`; the backward pass applies the same mask
-    and scale. A product with the float mask each way (fp32: the scaled mask; other dtypes: the 0/1 mask, then the
-    scale, rounded as `F.dropout` rounds it). The backward pass remakes the mask from the random integers, kept as 2
-    bytes per element (`F.dropout` keeps a 4-byte float mask)."""
+    and scale, one pass over the tensor each way (fp32: a product with the scaled mask; other dtypes: the 0/1 mask
+    and the scale in one `addcmul`, x * scale rounded once as `F.dropout` rounds it). Kept for the backward pass, 2
+    bytes an element either way (`F.dropout` keeps a 4-byte float mask in fp32): in fp32 the random integers, the
+    mask made from them again there; in other dtypes the 0/1 mask itself, as small as the integers and three passes
+    cheaper than remaking it."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
         bits = _dropout_bits(x)
+        mask = _dropout_keep_mask(bits, p, x.dtype)
         ctx.p, ctx.scale = p, 1.0 if x.dtype == torch.float32 else 1.0 / (1.0 - p)
-        ctx.save_for_backward(bits)
-        out = torch.mul(x, _dropout_keep_mask(bits, p, x.dtype))
-        return out if ctx.scale == 1.0 else out.mul_(ctx.scale)
+        ctx.save_for_backward(bits if x.dtype == torch.float32 else mask)
+        return _masked(x, mask, ctx.scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (bits,) = ctx.saved_tensors
-        grad = torch.mul(grad, _dropout_keep_mask(bits, ctx.p, grad.dtype))
-        return (grad if ctx.scale == 1.0 else grad.mul_(ctx.scale)), None
+        (kept,) = ctx.saved_tensors
+        mask = _dropout_keep_mask(kept, ctx.p, torch.float32) if kept.dtype == torch.int16 else kept
+        return _masked(grad, mask, ctx.scale), None
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """x * mask * scale in one pass: with scale 1, a product; else 0 + scale * x * mask, which for a 0/1 mask rounds
+    x * scale once (in fp32 for bf16 and fp16), as a product with the mask followed by one with the scale does."""
+    if scale == 1.0:
+        return torch.mul(x, mask)
+    return torch.addcmul(x.new_zeros(()), x, mask, value=scale)
 
 
 def cpu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
