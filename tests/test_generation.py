@@ -210,6 +210,32 @@ def test_text_in_text_out_with_the_tokenizer(tiny_tokenizer, parallel_text):
         assert tiny_tokenizer.decode(alone[0], skip_special_tokens=True) == text
 
 
+def test_translate_sentences_packs_the_weights_once_for_all_its_batches(tiny_tokenizer, monkeypatch):
+    """One packing of the weights serves every batch of a `translate_sentences` call (generate() would pack at each
+    call), with the translations of one generate() call per sentence; afterwards the model is plain again."""
+    from vaswani_hf import fast_paths_vaswani
+
+    model = tiny_model(vocab_size=len(tiny_tokenizer)).eval()
+    packed = []
+    pack = fast_paths_vaswani.pack_for_inference
+    monkeypatch.setattr(fast_paths_vaswani, "pack_for_inference", lambda weight: packed.append(1) or pack(weight))
+    sources = GERMAN[:6]
+    with torch.no_grad():
+        alone = [tiny_tokenizer.decode(model.generate(**tiny_tokenizer(source, return_tensors="pt"),
+                                                      max_new_tokens=8)[0], skip_special_tokens=True).strip()
+                 for source in sources]
+    per_call = len(packed) // len(sources)
+    assert per_call > 0 and len(packed) == per_call * len(sources)  # generate() alone: a packing per call
+    packed.clear()
+    for workers in (1, 2):
+        got = translate_sentences(model, tiny_tokenizer, sources, batch_size=1, max_new_tokens=8, workers=workers)
+        assert got == alone, workers
+        assert len(packed) == per_call, workers  # six batches, one packing
+        packed.clear()
+    assert {type(m).__name__ for m in model.modules()} >= {"Linear"} and not any(
+        type(m).__name__ == "OneDNNLinear" for m in model.modules())
+
+
 def test_translation_pipeline_returns_text(tiny_tokenizer, parallel_text):
     """`pipeline("translation")` works once vaswani_hf is imported (vaswani_hf.decoding.pipeline registers it again)."""
     from transformers import pipeline
