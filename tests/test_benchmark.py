@@ -322,3 +322,27 @@ def test_decoding_products_benchmark_times_every_product_of_a_step_in_each_libra
             assert result["over_onednn"]["onednn"] == 1.0
     # each packed library: 2 row counts x (1 warm-up + 2 timed) steps x 19 products (3 layers x 6 + the projection)
     assert {name: calls.count(name) for name in set(calls)} == {name: 2 * 3 * 19 for name in libraries - {"blas"}}
+
+
+def test_translate_benchmark_times_both_layouts_and_digests_the_translations(model_folder):
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from vaswani_hf import VaswaniForConditionalGeneration
+    from vaswani_hf.decoding.translate import translate_sentences
+
+    spec = importlib.util.spec_from_file_location("bench_translate", ROOT / "benchmarks" / "bench_translate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--model_dir", str(model_folder), "--one_at_a_time", "3", "--batched", "5",
+                         "--batch_size", "2"])
+    assert result["one_at_a_time"]["sentences"] == 3 and result["batched"]["sentences"] == 5
+    assert positive(result["one_at_a_time"]["sentences_per_second"])
+    assert positive(result["batched"]["sentences_per_second"])
+    model = VaswaniForConditionalGeneration.from_pretrained(model_folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    expected = translate_sentences(model, tokenizer, bench.german("test")[:3], batch_size=1) + translate_sentences(
+        model, tokenizer, bench.german("validation")[:5], batch_size=2)
+    assert result["outputs_md5"] == hashlib.md5("\n".join(expected).encode()).hexdigest()
+    assert len(bench.german("validation")) == 1014 and len(bench.german("test")) == 1000
