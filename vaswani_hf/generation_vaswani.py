@@ -660,6 +660,12 @@ class VaswaniGenerationMixin(GenerationMixin):
             decoder_start_token_id=config.decoder_start_token_id,
         )
 
+    def inference_fast_paths(self):
+        """A context manager holding `generate()`'s CPU fast paths (`fast_paths_vaswani.inference_fast_paths`) across
+        several `generate()` calls, so that the weights are packed once for all of them (`translate_sentences` holds
+        it for its batches). The weights must not change inside it: the packed copies are not remade."""
+        return inference_fast_paths(self, self.use_cpu_packed_linears)
+
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, run with the CPU fast paths installed (`inference_fast_paths`), then
         positions after each sequence's first `</s>` set to `pad_token_id`.

@@ -10,9 +10,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..fast_paths_vaswani import inference_fast_paths
-from ..generation_vaswani import VaswaniGenerationMixin
-
 
 def translate_sentences(
     model,
@@ -113,9 +110,8 @@ def translate_sentences(
     batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     # generate()'s fast paths held for the whole call: the weights, which do not change in it, are packed once rather
     # than once a batch (about 7 ms a call at the cpu preset; nested generate() calls find them installed)
-    held = inference_fast_paths(model, model.use_cpu_packed_linears) if isinstance(model, VaswaniGenerationMixin) \
-        else contextlib.nullcontext()
-    with held:
+    hold = getattr(model, "inference_fast_paths", None)  # our models' (VaswaniGenerationMixin), remote code's too
+    with hold() if callable(hold) else contextlib.nullcontext():
         for index, texts in zip(batches, map_batches(translate, batches, device, workers), strict=True):
             for i, text in zip(index, texts):
                 outputs[i] = text.strip()
