@@ -35,7 +35,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +48,7 @@ start_process()  # before the first oneDNN product: the caches' bound is read th
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from cpu_levers import batches, timed_steps  # noqa: E402
+from cpu_levers import batches, timed_step, timed_steps  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 
 from vaswani_hf import fast_paths_vaswani, kernels_vaswani  # noqa: E402
@@ -120,13 +119,7 @@ def paired_steps(model, optimizer, data, bf16: bool, kernels: dict[str, dict]) -
         for i, batch in enumerate(data):
             for name in (list(kernels) if i % 2 == 0 else list(kernels)[::-1]):
                 use(kernels[name], model)
-                start = time.perf_counter()
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    loss = model(**batch).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                times[name].append(time.perf_counter() - start)
+                times[name].append(timed_step(model, optimizer, batch, bf16))
         use(kernels["this tree"], model)
     return times
 

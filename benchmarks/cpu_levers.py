@@ -49,20 +49,23 @@ def batches(n: int, vocab_size: int | None = None, max_tokens: int | None = None
     return model_args, preset, tokenizer, out
 
 
+def timed_step(model, optimizer, batch, bf16: bool) -> float:
+    """One training step on `batch` as vaswani-train's step runs it (bf16 autocast if `bf16`, `optimizer` stepped and
+    zeroed; call it inside `training_fast_paths`): its seconds."""
+    start = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
 def timed_steps(model, optimizer, data, bf16: bool) -> list[float]:
-    """Train `model` one step on each batch of `data` as vaswani-train's step runs (inside `training_fast_paths`, bf16
-    autocast if `bf16`, `optimizer` stepped and zeroed): the seconds of each step."""
-    times = []
+    """Train `model` one step on each batch of `data` inside `training_fast_paths` (`timed_step`): the seconds of each
+    step."""
     with training_fast_paths(model, 0.1):
-        for batch in data:
-            start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-    return times
+        return [timed_step(model, optimizer, batch, bf16) for batch in data]
 
 
 def run(label, model, optimizer, data, warmup, bf16, smoothing):
