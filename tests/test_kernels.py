@@ -620,6 +620,41 @@ def test_bf16_training_linear_computes_what_autocast_computes(rows_shape, bias):
     assert _relative_error(dropped, results[1][2]) > 0.05
 
 
+
+def test_bf16_training_linears_on_one_input_pad_it_once_and_again_when_it_changes(monkeypatch):
+    calls = []
+    padded_once = kernels_vaswani._rows_padded
+    monkeypatch.setattr(kernels_vaswani, "_rows_padded",
+                        lambda x, dtype: (x.shape[1] == 24 and calls.append(x.shape)) or padded_once(x, dtype))  # inputs
+    torch.manual_seed(0)
+    linears = [nn.Linear(24, 40) for _ in range(3)]  # W^Q, W^K, W^V reading one input
+    leaf = torch.randn(3, 7, 24, requires_grad=True)
+    x = leaf * 1.0
+
+    def fast(linear, x):
+        return kernels_vaswani._Bf16LinearFunction.apply(x, linear.weight, linear.bias)
+
+    def plain(linear, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return linear(x)
+
+    outputs = [fast(linear, x) for linear in linears]
+    assert calls == [(21, 24)]  # one padded copy for the three products
+    for output, linear in zip(outputs, linears, strict=True):
+        assert _relative_error(output, plain(linear, x)) < 4e-3
+    sum(o.float().sum() for o in outputs).backward()  # the shared copy serves all three backward passes
+    plain_leaf = leaf.detach().clone().requires_grad_()
+    sum(plain(linear, plain_leaf * 1.0).float().sum() for linear in linears).backward(inputs=[plain_leaf])
+    assert _relative_error(leaf.grad, plain_leaf.grad) < 4e-3
+    with torch.no_grad():
+        x.mul_(-2.0)  # changed in place: padded again, not the stale copy
+        again = fast(linears[0], x)
+        other = fast(linears[1], x.clone())  # another tensor of the same values: padded anew
+    assert calls == [(21, 24), (21, 24), (21, 24)]
+    assert _relative_error(again, plain(linears[0], x)) < 4e-3
+    assert _relative_error(again, outputs[0]) > 0.5  # control: the stale copy gives the old product
+
+
 REUSE_PROBE = """
 import sys, torch
 sys.path.insert(0, {root!r})

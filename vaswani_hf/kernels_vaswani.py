@@ -25,6 +25,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -119,15 +120,16 @@ def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
     whose causal rule it follows (no mask: a causal module hides later positions); returns the output
     `(B, Tq, H, Dh)` and no probabilities."""
     with torch.autocast(query.device.type, enabled=False):
-        scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
+        query, key = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (query, key))  # cast+copy once
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
         is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
         if attention_mask is None and is_causal and query.shape[2] > 1:
             attention_mask = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1) * torch.finfo(scores.dtype).min
         if attention_mask is not None:
             scores = scores + attention_mask.float()
         probs = cpu_dropout(F.softmax(scores, dim=-1), dropout, module.training and dropout > 0.0)
-        output = torch.matmul(probs, value.float()).to(value.dtype)
-    return output.transpose(1, 2).contiguous(), None
+        output = torch.matmul(probs, value.to(torch.float32, memory_format=torch.contiguous_format))
+    return output.transpose(1, 2).to(value.dtype, memory_format=torch.contiguous_format), None
 
 
 def vaswani_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -433,16 +435,31 @@ def _rows_padded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return padded
 
 
+# The last input padded by `_Bf16LinearFunction` (a weak reference, its version, the padded copy), per thread: attention's
+# W^Q, W^K, W^V (and the cross-attention's W^K, W^V) read one input, which is padded and cast once for all of them.
+_LAST_PADDED = threading.local()
+
+
+def _padded_input(x: torch.Tensor) -> torch.Tensor:
+    """`_rows_padded(x as (M, K), bf16)`, reused while `x` (the same tensor, not changed in place) comes again."""
+    last = getattr(_LAST_PADDED, "entry", None)
+    if last is not None and last[0]() is x and last[1] == x._version:
+        return last[2]
+    padded = _rows_padded(x.reshape(x.shape[:-1].numel(), x.shape[-1]), torch.bfloat16)
+    _LAST_PADDED.entry = (weakref.ref(x), x._version, padded)
+    return padded
+
+
 class _Bf16LinearFunction(torch.autograd.Function):
     """`F.linear` as CPU bf16 autocast computes it and differentiates it (bf16 operands and products, fp32 weight and
     bias gradients, the input's gradient in the input's dtype), on rows padded to `TRAINING_ROW_MULTIPLE` (zero rows,
-    left out of every result); not differentiable twice."""
+    left out of every result; one padded copy for consecutive calls on the same input); not differentiable twice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         with torch.autocast("cpu", enabled=False):
-            padded, weight16 = _rows_padded(x.reshape(rows, x.shape[-1]), torch.bfloat16), weight.to(torch.bfloat16)
+            padded, weight16 = _padded_input(x), weight.to(torch.bfloat16)
             out = F.linear(padded, weight16, None if bias is None else bias.to(torch.bfloat16))
         ctx.save_for_backward(padded, weight16)
         ctx.input_shape, ctx.input_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
