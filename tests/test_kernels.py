@@ -625,7 +625,7 @@ def test_bf16_training_linears_on_one_input_pad_it_once_and_again_when_it_change
     calls = []
     padded_once = kernels_vaswani._rows_padded
     monkeypatch.setattr(kernels_vaswani, "_rows_padded",
-                        lambda x, dtype: (x.shape[1] == 24 and calls.append(x.shape)) or padded_once(x, dtype))  # inputs
+                        lambda x, dtype: (x.shape[1] == 24 and calls.append(x.shape)) or padded_once(x, dtype))
     torch.manual_seed(0)
     linears = [nn.Linear(24, 40) for _ in range(3)]  # W^Q, W^K, W^V reading one input
     leaf = torch.randn(3, 7, 24, requires_grad=True)
@@ -649,7 +649,7 @@ def test_bf16_training_linears_on_one_input_pad_it_once_and_again_when_it_change
     with torch.no_grad():
         x.mul_(-2.0)  # changed in place: padded again, not the stale copy
         again = fast(linears[0], x)
-        other = fast(linears[1], x.clone())  # another tensor of the same values: padded anew
+        fast(linears[1], x.clone())  # another tensor of the same values: padded anew
     assert calls == [(21, 24), (21, 24), (21, 24)]
     assert _relative_error(again, plain(linears[0], x)) < 4e-3
     assert _relative_error(again, outputs[0]) > 0.5  # control: the stale copy gives the old product

@@ -120,7 +120,7 @@ def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
     whose causal rule it follows (no mask: a causal module hides later positions); returns the output
     `(B, Tq, H, Dh)` and no probabilities."""
     with torch.autocast(query.device.type, enabled=False):
-        query, key = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (query, key))  # cast+copy once
+        query, key = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (query, key))  # one pass
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, Tq, Tk)
         is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
         if attention_mask is None and is_causal and query.shape[2] > 1:
@@ -435,8 +435,8 @@ def _rows_padded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return padded
 
 
-# The last input padded by `_Bf16LinearFunction` (a weak reference, its version, the padded copy), per thread: attention's
-# W^Q, W^K, W^V (and the cross-attention's W^K, W^V) read one input, which is padded and cast once for all of them.
+# The last input padded by `_Bf16LinearFunction` (a weak reference, its version, the padded copy), per thread:
+# attention's W^Q, W^K, W^V (and the cross-attention's W^K, W^V) read one input, padded and cast once for all of them.
 _LAST_PADDED = threading.local()
 
 
