@@ -34,11 +34,12 @@ if [ "${1:-}" = "--main-job" ]; then
     rm -rf /tmp/gpu_main_job
     start=$(date +%s)
     vaswani-train --preset gpu --bf16 --output_dir /tmp/gpu_main_job 2>&1 | tee "$OUT/main_job.log"
-    echo "rc ${PIPESTATUS[0]}, whole command $(( $(date +%s) - start )) s" | tee -a "$OUT/main_job.log"
+    rc=${PIPESTATUS[0]}
+    echo "rc $rc, whole command $(( $(date +%s) - start )) s" | tee -a "$OUT/main_job.log"
     cp /tmp/gpu_main_job/metrics.json "$OUT/main_job_metrics.json" 2>/dev/null
-    exit 0
+    exit "$rc"
 fi
 
 timeout 200 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/cuda_tests.log"
 timeout 150 python3 benchmarks/benchmark.py --device cuda --dtype bf16 --vocab-size 8000 --batch-tokens 25000 \
-    --gen-batch 64 --memory-batch-tokens 4096 --output "$OUT/benchmark_h200.json" 2>&1 | tee "$OUT/benchmark.log"
+    --gen-batch 64 --memory-batch-tokens 4096 --output "$OUT/benchmark_cuda.json" 2>&1 | tee "$OUT/benchmark.log"
